@@ -1,0 +1,43 @@
+# blocktune: `make demo` and `make test` each set up .venv on first use.
+#
+# Variables a user may override:
+#   PYTHON           interpreter used to create the virtual environment
+#   TORCH_VERSION    torch release to install (default: the CPU-friendly pin)
+#   TORCH_INDEX_URL  extra package index for torch, e.g. a CUDA wheel index
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX_URL ?=
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(TORCH_VERSION)
+TORCH_INDEX := $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL),)
+
+.PHONY: install demo test lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+demo: $(STAMP)
+	$(BIN)/blocktune demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(STAMP)
+	$(BIN)/python bench/block_manager.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""The paged KV runtime: block manager, block table, KV pool, model, engine and hot-swap."""

@@ -1,0 +1,319 @@
+"""Host-side bookkeeping of a paged KV cache: which block holds which tokens.
+
+Plain Python, no torch: free lists, refcounts, per-sequence block lists and the
+prefix cache live here; the device only ever sees the block table built from
+them.
+
+Allocation policy (DESIGN.md key idea 1): a sequence's next block is the block
+right after its last one when that block is free (so consecutive blocks tend to
+form aligned buddy runs that a later grow of the block size keeps without a
+copy), otherwise the most recently freed block. A freed sequence returns its
+blocks last-to-first, so the next sequence to allocate starts on its first
+block and walks the same run again.
+
+With prefix caching, a full block is identified by a chained key (the parent
+block's hash and the block's token ids). Blocks whose refcount drops to zero
+keep their key and stay reusable ("evictable") until a fresh allocation needs
+them; the least recently released one is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+__all__ = [
+    "BlockManager",
+    "BlockManagerError",
+    "DuplicateSequence",
+    "EmptyTokens",
+    "InvalidSize",
+    "UnknownSequence",
+]
+
+
+class BlockManagerError(ValueError):
+    """A caller mistake: the message names the bad value."""
+
+
+class UnknownSequence(BlockManagerError):
+    """The sequence id is not allocated."""
+
+
+class DuplicateSequence(BlockManagerError):
+    """The sequence id is already allocated."""
+
+
+class EmptyTokens(BlockManagerError):
+    """A call that needs tokens got none."""
+
+
+class InvalidSize(BlockManagerError):
+    """A block size or block count that cannot be used."""
+
+
+CacheKey = tuple[int, tuple[int, ...]]
+"""(parent block hash, token ids of this block): the identity of a full block."""
+
+ROOT_HASH = 0
+"""The parent hash of a sequence's first block."""
+
+
+@dataclass
+class _Sequence:
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    # With prefix caching: tokens of the last block while it is not full (to key it once full).
+    tail_tokens: list[int] = field(default_factory=list)
+    # Hash of the last full block (parent of the next one).
+    last_full_hash: int = ROOT_HASH
+    num_cached_tokens: int = 0
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+class BlockManager:
+    """Allocates fixed-size KV blocks to sequences: sharing, copy-on-write, a prefix cache."""
+
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False
+    ) -> None:
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise InvalidSize(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if not isinstance(block_size, int) or not _is_power_of_two(block_size):
+            raise InvalidSize(f"block_size must be a positive power of two, got {block_size!r}")
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self._prefix_caching = enable_prefix_caching
+        self._refcount = [0] * num_blocks
+        # Free blocks in a dict used as an ordered set: popitem() gives the most recently
+        # freed block, `del` removes any block in O(1). Filled so that block 0 comes first.
+        self._free: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
+        # Released blocks that still hold a cached full block, least recently released first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cache: dict[CacheKey, int] = {}
+        self._block_key: list[CacheKey | None] = [None] * num_blocks
+        self._seqs: dict[object, _Sequence] = {}
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self._prefix_caching
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new allocation can use: free plus evictable cached blocks."""
+        return len(self._free) + len(self._evictable)
+
+    # ------------------------------------------------------------------ queries
+    def block_ids(self, seq_id: object) -> list[int]:
+        return list(self._seq(seq_id).blocks)
+
+    def num_tokens(self, seq_id: object) -> int:
+        return self._seq(seq_id).num_tokens
+
+    def num_cached_tokens(self, seq_id: object) -> int:
+        """Leading tokens of the sequence found in the prefix cache when it was allocated."""
+        return self._seq(seq_id).num_cached_tokens
+
+    def sequences(self) -> list[object]:
+        return list(self._seqs)
+
+    def refcount(self, block_id: int) -> int:
+        return self._refcount[block_id]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write pairs (src, dst) the engine must perform before the next step."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # ------------------------------------------------------------------ mutations
+    def allocate(self, seq_id: object, token_ids: Sequence[int]) -> list[int] | None:
+        """Blocks for a new sequence's tokens, or None (nothing changed) when there is no room."""
+        if seq_id in self._seqs:
+            raise DuplicateSequence(f"sequence {seq_id!r} is already allocated")
+        tokens = list(token_ids)
+        if not tokens:
+            raise EmptyTokens(f"allocate({seq_id!r}) needs at least one token")
+        size = self._block_size
+        hits: list[int] = []
+        parent = ROOT_HASH
+        if self._prefix_caching:
+            # The block holding the last token is never taken from the cache: the engine
+            # must compute that token to get the next token's logits.
+            for i in range((len(tokens) - 1) // size):
+                key = (parent, tuple(tokens[i * size : (i + 1) * size]))
+                block = self._cache.get(key)
+                if block is None:
+                    break
+                hits.append(block)
+                parent = hash(key)
+        num_needed = -(-len(tokens) // size) - len(hits)
+        reclaimed = sum(1 for b in hits if self._refcount[b] == 0)
+        if num_needed > self.num_free_blocks - reclaimed:
+            return None
+
+        seq = _Sequence()
+        for block in hits:
+            if self._refcount[block] == 0:
+                del self._evictable[block]
+            self._refcount[block] += 1
+            seq.blocks.append(block)
+        seq.last_full_hash = parent
+        seq.num_cached_tokens = len(hits) * size
+        self._seqs[seq_id] = seq
+        seq.num_tokens = seq.num_cached_tokens
+        self._fill(seq, tokens[seq.num_cached_tokens :])
+        return list(seq.blocks)
+
+    def append_tokens(self, seq_id: object, token_ids: Sequence[int]) -> bool:
+        """Grow a sequence; False (nothing changed) when the blocks it needs are not free."""
+        seq = self._seq(seq_id)
+        tokens = list(token_ids)
+        if not tokens:
+            raise EmptyTokens(f"append_tokens({seq_id!r}) needs at least one token")
+        size = self._block_size
+        room_in_tail = (-seq.num_tokens) % size
+        num_needed = -(-max(0, len(tokens) - room_in_tail) // size)
+        tail_shared = room_in_tail > 0 and self._refcount[seq.blocks[-1]] > 1
+        if num_needed + tail_shared > self.num_free_blocks:
+            return False
+        if tail_shared:
+            src = seq.blocks[-1]
+            dst = self._take_block(after=None)
+            self._refcount[src] -= 1
+            self._refcount[dst] = 1
+            seq.blocks[-1] = dst
+            self._pending_copies.append((src, dst))
+        self._fill(seq, tokens)
+        return True
+
+    def fork(self, parent_id: object, child_id: object) -> None:
+        """The child shares every block of the parent (refcount + 1)."""
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise DuplicateSequence(f"sequence {child_id!r} is already allocated")
+        for block in parent.blocks:
+            self._refcount[block] += 1
+        self._seqs[child_id] = _Sequence(
+            blocks=list(parent.blocks),
+            num_tokens=parent.num_tokens,
+            tail_tokens=list(parent.tail_tokens),
+            last_full_hash=parent.last_full_hash,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+
+    def free(self, seq_id: object) -> None:
+        """Release a sequence's blocks, last to first; cached full blocks stay reusable."""
+        seq = self._seq(seq_id)
+        del self._seqs[seq_id]
+        for block in reversed(seq.blocks):
+            self._refcount[block] -= 1
+            if self._refcount[block] > 0:
+                continue
+            if self._block_key[block] is not None:
+                self._evictable[block] = None
+            else:
+                self._free[block] = None
+
+    @contextmanager
+    def lease(self, seq_id: object, token_ids: Sequence[int]) -> Iterator[list[int] | None]:
+        """Allocate for the duration of a with-block; the sequence is freed on any exit.
+
+        Yields the block ids, or None when there was no room (nothing to free then).
+        """
+        blocks = self.allocate(seq_id, token_ids)
+        try:
+            yield blocks
+        finally:
+            if blocks is not None and seq_id in self._seqs:
+                self.free(seq_id)
+
+    # ------------------------------------------------------------------ invariants
+    def check(self) -> None:
+        """Assert every bookkeeping invariant (DESIGN.md "Invariants")."""
+        references = [0] * self._num_blocks
+        for seq_id, seq in self._seqs.items():
+            assert len(seq.blocks) == -(-seq.num_tokens // self._block_size), (
+                f"sequence {seq_id!r}: {len(seq.blocks)} blocks for {seq.num_tokens} tokens"
+            )
+            if self._prefix_caching:
+                assert len(seq.tail_tokens) == seq.num_tokens % self._block_size
+            for block in seq.blocks:
+                references[block] += 1
+        assert references == self._refcount, "refcounts differ from block-list references"
+        referenced = {b for b, count in enumerate(references) if count > 0}
+        free, evictable = set(self._free), set(self._evictable)
+        assert not free & referenced, f"blocks both free and owned: {sorted(free & referenced)}"
+        assert not evictable & referenced, "evictable blocks are still referenced"
+        assert not free & evictable, "blocks both free and evictable"
+        assert len(free) + len(evictable) + len(referenced) == self._num_blocks, (
+            "free + evictable + referenced != total"
+        )
+        for key, block in self._cache.items():
+            assert self._block_key[block] == key, f"cache entry for block {block} is stale"
+        keyed = {b for b, key in enumerate(self._block_key) if key is not None}
+        assert keyed == set(self._cache.values()), "block keys and cache map disagree"
+        assert evictable <= keyed, "an evictable block has no cache key"
+        assert not free & keyed, "a free block still has a cache key"
+
+    # ------------------------------------------------------------------ internals
+    def _seq(self, seq_id: object) -> _Sequence:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise UnknownSequence(f"unknown sequence {seq_id!r}") from None
+
+    def _take_block(self, after: int | None) -> int:
+        """A fresh block: the one after `after` if free, else the most recently freed one,
+        else the least recently released cached block (its cache entry is dropped)."""
+        if after is not None and after + 1 in self._free:
+            del self._free[after + 1]
+            return after + 1
+        if self._free:
+            return self._free.popitem()[0]
+        block, _ = self._evictable.popitem(last=False)
+        key = self._block_key[block]
+        del self._cache[key]
+        self._block_key[block] = None
+        return block
+
+    def _fill(self, seq: _Sequence, tokens: list[int]) -> None:
+        """Write tokens after the sequence's last one, taking blocks as needed (room checked)."""
+        size = self._block_size
+        pos = 0
+        while pos < len(tokens):
+            if seq.num_tokens % size == 0:
+                block = self._take_block(after=seq.blocks[-1] if seq.blocks else None)
+                self._refcount[block] = 1
+                seq.blocks.append(block)
+            take = min(size - seq.num_tokens % size, len(tokens) - pos)
+            seq.num_tokens += take
+            if self._prefix_caching:
+                seq.tail_tokens.extend(tokens[pos : pos + take])
+                if len(seq.tail_tokens) == size:
+                    self._seal(seq)
+            pos += take
+
+    def _seal(self, seq: _Sequence) -> None:
+        """The last block just became full: key it in the prefix cache and start a new tail."""
+        key = (seq.last_full_hash, tuple(seq.tail_tokens))
+        seq.tail_tokens = []
+        seq.last_full_hash = hash(key)
+        block = seq.blocks[-1]
+        if key not in self._cache and self._block_key[block] is None:
+            self._cache[key] = block
+            self._block_key[block] = key

@@ -1,0 +1,105 @@
+"""The KV pool: per layer, K and V as flat token-slot tensors.
+
+A block of size B with id j is slots `[j*B, (j+1)*B)`, so the block size is
+only a view of the same memory (DESIGN.md key idea 1): `view(layer, B)` gives
+`[num_slots // B, B, num_kv_heads, head_dim]` without copying.
+
+Memory (the seed's formula omits layers and GQA):
+
+    KV bytes = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype_bytes x slots
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KVCache", "kv_bytes", "slots_for_budget"]
+
+
+def kv_bytes(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, num_slots: int
+) -> int:
+    """Bytes of K and V for `num_slots` token slots across all layers."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes * num_slots
+
+
+def slots_for_budget(
+    budget_bytes: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype_bytes: int,
+    align: int = 1,
+) -> int:
+    """The most token slots (a multiple of `align`) whose K and V fit in `budget_bytes`."""
+    per_slot = kv_bytes(num_layers, num_kv_heads, head_dim, dtype_bytes, 1)
+    return budget_bytes // per_slot // align * align
+
+
+class KVCache:
+    """K and V of every layer as flat slot tensors `[num_slots, num_kv_heads, head_dim]`."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_slots: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if min(num_layers, num_kv_heads, head_dim, num_slots) <= 0:
+            raise ValueError(
+                "num_layers, num_kv_heads, head_dim and num_slots must be positive, got "
+                f"{num_layers}, {num_kv_heads}, {head_dim}, {num_slots}"
+            )
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.num_slots = num_slots
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @classmethod
+    def from_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        align: int = 1,
+    ) -> KVCache:
+        """The largest pool (slots a multiple of `align`) that fits in `budget_bytes`."""
+        dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        slots = slots_for_budget(
+            budget_bytes, num_layers, num_kv_heads, head_dim, dtype_bytes, align
+        )
+        if slots == 0:
+            raise ValueError(
+                f"a KV budget of {budget_bytes} bytes holds no block of {align} slots for "
+                f"{num_layers} layers x {num_kv_heads} KV heads x {head_dim} dims"
+            )
+        return cls(num_layers, num_kv_heads, head_dim, slots, dtype, device)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def num_blocks(self, block_size: int) -> int:
+        return self.num_slots // block_size
+
+    def view(self, layer: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer as `[num_blocks, block_size, num_kv_heads, head_dim]` views."""
+        if self.num_slots % block_size:
+            raise ValueError(
+                f"block size {block_size} does not divide the pool's {self.num_slots} slots"
+            )
+        shape = (self.num_slots // block_size, block_size, self.num_kv_heads, self.head_dim)
+        return self.k[layer].view(shape), self.v[layer].view(shape)

@@ -1,0 +1,39 @@
+"""KV pool: the corrected memory formula and block-size views over the same memory."""
+
+import pytest
+import torch
+
+from blocktune.runtime.kv_cache import KVCache, kv_bytes, slots_for_budget
+
+
+def test_kv_bytes_counts_layers_and_kv_heads():
+    # Llama-3-8B-like: 32 layers, 8 KV heads, head_dim 128, bf16 -> 128 KiB per token.
+    assert kv_bytes(32, 8, 128, 2, 1) == 131_072
+    assert kv_bytes(32, 8, 128, 2, 1000) == 131_072_000
+    # A 1 GiB budget holds 8192 such token slots; aligned to 64 it still does.
+    assert slots_for_budget(2**30, 32, 8, 128, 2, align=64) == 8192
+    assert slots_for_budget(2**30 - 1, 32, 8, 128, 2, align=64) == 8128
+
+
+def test_view_is_the_same_memory_at_every_block_size():
+    cache = KVCache(num_layers=2, num_kv_heads=2, head_dim=4, num_slots=32)
+    cache.k[1][9] = 1.5  # slot 9: block 1 offset 1 at B=8, block 2 offset 1 at B=4
+    k8, _ = cache.view(1, 8)
+    k4, v4 = cache.view(1, 4)
+    assert k8.shape == (4, 8, 2, 4)
+    assert torch.all(k8[1, 1] == 1.5) and torch.all(k4[2, 1] == 1.5)
+    assert k4.data_ptr() == cache.k[1].data_ptr()
+    assert v4.data_ptr() == cache.v[1].data_ptr()
+    assert cache.num_blocks(16) == 2
+    assert cache.nbytes == 2 * 2 * 32 * 2 * 4 * 4
+    with pytest.raises(ValueError, match="block size 64"):
+        cache.view(0, 64)
+
+
+def test_from_budget_sizes_the_pool():
+    cache = KVCache.from_budget(64 * 1024, 2, 2, 16, dtype=torch.float16, align=16)
+    per_slot = kv_bytes(2, 2, 16, 2, 1)
+    assert cache.num_slots == 64 * 1024 // per_slot // 16 * 16
+    assert cache.nbytes <= 64 * 1024
+    with pytest.raises(ValueError, match="holds no block"):
+        KVCache.from_budget(100, 2, 2, 16, align=16)

@@ -1,0 +1,1 @@
+"""Request traces: loaders for public formats and seeded synthetic workloads."""
