@@ -16,7 +16,7 @@ from blocktune import __version__
 
 __all__ = ["build_parser", "main"]
 
-COMMAND_MODULES = ("blocktune.tuner.demo",)
+COMMAND_MODULES = ("blocktune.tuner.demo", "blocktune.tuner.generate_cmd")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,433 @@
+"""A continuous-batching inference engine on the paged KV cache.
+
+Every `step()`:
+
+1. admits waiting requests, oldest first, while blocks and batch rows are free,
+   and prefills them (each yields its first token);
+2. grows every other running request by its last sampled token; when no block
+   is free, the youngest running request is preempted (its blocks are freed
+   and it is recomputed from its tokens when it is admitted again);
+3. performs the copy-on-write copies the block manager asked for;
+4. decodes one token for each of those requests with the paged kernel.
+
+Finished requests free their blocks at once and are reported to listeners
+(`add_listener`) as `FinishedRequest` records, which is what the tuner's length
+window observes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from blocktune.kernels.cache_ops import copy_blocks
+from blocktune.runtime.block_manager import BlockManager
+from blocktune.runtime.block_table import BlockTable
+from blocktune.runtime.kv_cache import KVCache, slots_for_budget
+from blocktune.runtime.model import LlamaModel
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "FinishedRequest",
+    "RequestError",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+BACKENDS = ("torch", "triton")
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve; the message names the bad value."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Pool size, batch limits and attention backend.
+
+    Give the pool as `num_blocks` (at `block_size`) or as `kv_bytes`; the pool
+    is a fixed number of token slots, so a later block-size change keeps it.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_bytes: int | None = None
+    max_num_seqs: int = 32
+    max_model_len: int = 2048
+    attention_backend: str = "torch"
+    enable_prefix_caching: bool = False
+    candidate_block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)
+
+    def __post_init__(self) -> None:
+        if (self.num_blocks is None) == (self.kv_bytes is None):
+            raise ValueError("give exactly one of num_blocks and kv_bytes")
+        if self.attention_backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}"
+            )
+        for name in ("max_num_seqs", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.block_size not in self.candidate_block_sizes:
+            raise ValueError(
+                f"block_size {self.block_size} is not among the candidate block sizes "
+                f"{self.candidate_block_sizes}"
+            )
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens: greedy at temperature 0, else top-p sampling from a seeded generator."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a step produced for one request."""
+
+    request_id: int
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A finished request's lengths and times, for the tuner's window."""
+
+    request_id: int
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float
+    finish_s: float
+    finish_reason: str
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    arrival_s: float
+    generator: torch.Generator | None
+    output: list[int] = field(default_factory=list)
+    row: int | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+
+class Engine:
+    """Serves requests step by step on a paged KV cache shared by all of them."""
+
+    def __init__(self, model: LlamaModel, config: EngineConfig) -> None:
+        if config.max_model_len > model.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's "
+                f"max_position_embeddings {model.config.max_position_embeddings}"
+            )
+        self.model = model
+        self.config = config
+        mc = model.config
+        if config.num_blocks is not None:
+            num_slots = config.num_blocks * config.block_size
+        else:
+            dtype_bytes = torch.empty((), dtype=model.dtype).element_size()
+            num_slots = slots_for_budget(
+                config.kv_bytes,
+                mc.num_layers,
+                mc.num_kv_heads,
+                mc.head_dim,
+                dtype_bytes,
+                align=max(config.candidate_block_sizes),
+            )
+        self.kv = KVCache(
+            mc.num_layers, mc.num_kv_heads, mc.head_dim, num_slots, model.dtype, model.device
+        )
+        self.block_size = config.block_size
+        self.blocks = BlockManager(
+            num_slots // config.block_size,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.table = BlockTable(
+            config.max_num_seqs,
+            -(-config.max_model_len // config.block_size),
+            config.block_size,
+            model.device,
+        )
+        self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._requests: dict[int, _Request] = {}
+        self._ids = itertools.count()
+        self._listeners: list[Callable[[FinishedRequest], None]] = []
+        self.preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.steps = 0
+        if config.attention_backend == "triton":
+            from blocktune.kernels.paged_attention import warmup
+
+            warmup(
+                config.candidate_block_sizes,
+                num_heads=mc.num_heads,
+                num_kv_heads=mc.num_kv_heads,
+                head_dim=mc.head_dim,
+                dtype=model.dtype,
+                device=model.device,
+            )
+
+    # ------------------------------------------------------------------ requests
+    def add_listener(self, listener: Callable[[FinishedRequest], None]) -> None:
+        """Call `listener(FinishedRequest)` for every request that finishes."""
+        self._listeners.append(listener)
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; returns its id. Raises `RequestError` for input it cannot serve."""
+        params = params or SamplingParams()
+        prompt = [int(t) for t in prompt_ids]
+        self._validate(prompt, params)
+        request_id = next(self._ids)
+        generator = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else torch.seed()
+            generator = torch.Generator().manual_seed(seed)
+        request = _Request(request_id, prompt, params, time.monotonic(), generator)
+        self._requests[request_id] = request
+        self._waiting.append(request)
+        return request_id
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        limit = self.config.max_model_len
+        vocab = self.model.config.vocab_size
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        if len(prompt) >= limit:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens; max_model_len {limit} leaves no room"
+            )
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        if params.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {params.max_tokens}")
+        if params.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0 < params.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
+        stored = min(len(prompt) + params.max_tokens, limit) - 1
+        needed = -(-stored // self.block_size)
+        if needed > self.blocks.num_blocks:
+            raise RequestError(
+                f"the request can hold up to {stored} tokens ({needed} blocks of "
+                f"{self.block_size}) but the pool has only {self.blocks.num_blocks} blocks"
+            )
+
+    def cancel(self, request_id: int) -> bool:
+        """Drop a request and free its blocks now; False if it is unknown or already done."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.row is None:
+            self._waiting.remove(request)
+        else:
+            self._running.remove(request)
+            self._release(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Serve the prompts to completion; one final output per prompt, in order."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        final: dict[int, RequestOutput] = {}
+        while any(i not in final for i in ids):
+            for output in self.step():
+                if output.finished:
+                    final[output.request_id] = output
+        return [final[i] for i in ids]
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Admit, prefill, grow, copy and decode once; returns each request's new tokens."""
+        self.steps += 1
+        already_running = list(self._running)
+        outputs = [self._prefill(r) for r in self._admit()]
+        decoding = self._grow(already_running)
+        self._copy_pending()
+        if decoding:
+            outputs += self._decode(decoding)
+        return outputs
+
+    def _admit(self) -> list[_Request]:
+        admitted: list[_Request] = []
+        while self._waiting and self._free_rows:
+            request = self._waiting[0]
+            if self.blocks.allocate(request.id, request.tokens) is None:
+                break
+            self._waiting.popleft()
+            request.row = self._free_rows.pop()
+            self.table.set_row(request.row, self.blocks.block_ids(request.id))
+            self._running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def _prefill(self, request: _Request) -> RequestOutput:
+        tokens = request.tokens
+        start = self.blocks.num_cached_tokens(request.id)
+        self.prefix_hit_tokens += start
+        slots = self.table.slot_mapping(request.row, range(len(tokens)))
+        device = self.model.device
+        logits = self.model.prefill(
+            torch.tensor(tokens[start:], device=device),
+            start,
+            torch.from_numpy(slots).to(device),
+            self.kv,
+            self.config.attention_backend,
+        )
+        return self._accept(request, self._sample(request, logits[None])[0])
+
+    def _grow(self, candidates: list[_Request]) -> list[_Request]:
+        """Reserve a slot for each request's pending token, preempting the youngest if needed."""
+        grown: list[_Request] = []
+        for request in candidates:
+            if request.row is None:  # preempted while making room for an older request
+                continue
+            while not self.blocks.append_tokens(request.id, request.output[-1:]):
+                victim = max(self._running, key=lambda r: r.id)
+                self._preempt(victim)
+                if victim is request:
+                    break
+            else:
+                self.table.set_row(request.row, self.blocks.block_ids(request.id))
+                grown.append(request)
+        return grown
+
+    def _preempt(self, request: _Request) -> None:
+        self.preemptions += 1
+        self._running.remove(request)
+        self._release(request)
+        self._waiting.appendleft(request)
+
+    def _copy_pending(self) -> None:
+        pairs = self.blocks.take_pending_copies()
+        if pairs:
+            copy_blocks(
+                self.kv.k,
+                self.kv.v,
+                pairs,
+                block_size=self.block_size,
+                backend=self.config.attention_backend,
+            )
+
+    def _decode(self, batch: list[_Request]) -> list[RequestOutput]:
+        device = self.model.device
+        self.table.sync()
+        rows = torch.tensor([r.row for r in batch], device=device)
+        lengths = [self.blocks.num_tokens(r.id) for r in batch]
+        slots = [
+            int(self.table.slot_mapping(r.row, [n - 1])[0])
+            for r, n in zip(batch, lengths, strict=True)
+        ]
+        logits = self.model.decode(
+            torch.tensor([r.output[-1] for r in batch], device=device),
+            torch.tensor([n - 1 for n in lengths], device=device),
+            torch.tensor(slots, device=device),
+            self.table.device_table.index_select(0, rows),
+            torch.tensor(lengths, dtype=torch.int32, device=device),
+            self.block_size,
+            self.kv,
+            self.config.attention_backend,
+        )
+        tokens = self._sample_batch(batch, logits)
+        return [self._accept(r, t) for r, t in zip(batch, tokens, strict=True)]
+
+    # ------------------------------------------------------------------ sampling
+    def _sample_batch(self, batch: list[_Request], logits: torch.Tensor) -> list[int]:
+        if all(r.params.temperature == 0 for r in batch):
+            return logits.argmax(dim=-1).tolist()
+        return [self._sample(r, logits[i : i + 1])[0] for i, r in enumerate(batch)]
+
+    @staticmethod
+    def _sample(request: _Request, logits: torch.Tensor) -> list[int]:
+        params = request.params
+        if params.temperature == 0:
+            return logits.argmax(dim=-1).tolist()
+        probs = (logits.float() / params.temperature).softmax(dim=-1).cpu()
+        if params.top_p < 1:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            keep = sorted_probs.cumsum(dim=-1) - sorted_probs < params.top_p
+            sorted_probs = sorted_probs * keep
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        return torch.multinomial(probs, 1, generator=request.generator)[:, 0].tolist()
+
+    def _accept(self, request: _Request, token: int) -> RequestOutput:
+        request.output.append(token)
+        params = request.params
+        reason = None
+        if token in params.stop_token_ids:
+            reason = "stop"
+        elif len(request.output) >= params.max_tokens or (
+            len(request.prompt) + len(request.output) >= self.config.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self._finish(request, reason)
+        return RequestOutput(request.id, [token], list(request.output), reason is not None, reason)
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        self._running.remove(request)
+        self._release(request)
+        del self._requests[request.id]
+        record = FinishedRequest(
+            request.id,
+            len(request.prompt),
+            len(request.output),
+            request.arrival_s,
+            time.monotonic(),
+            reason,
+        )
+        for listener in self._listeners:
+            listener(record)
+
+    def _release(self, request: _Request) -> None:
+        self.blocks.free(request.id)
+        self.table.clear_row(request.row)
+        self._free_rows.append(request.row)
+        request.row = None
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> dict[str, int | float]:
+        """Queue lengths, pool usage, padding and preemptions right now."""
+        used_blocks = self.blocks.num_blocks - self.blocks.num_free_blocks
+        held_tokens = sum(self.blocks.num_tokens(r.id) for r in self._running)
+        return {
+            "block_size": self.block_size,
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "blocks_total": self.blocks.num_blocks,
+            "blocks_used": used_blocks,
+            "blocks_free": self.blocks.num_free_blocks,
+            "padding_slots": used_blocks * self.block_size - held_tokens,
+            "preemptions": self.preemptions,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "steps": self.steps,
+        }

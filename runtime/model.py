@@ -1,0 +1,367 @@
+"""A Llama-architecture decoder that reads and writes a paged KV cache.
+
+RMSNorm, rotary position embeddings (`rope_theta`, the half-split layout of
+Hugging Face checkpoints), grouped-query attention, a SwiGLU MLP and optionally
+tied embeddings. Parameter names follow the Hugging Face Llama checkpoint
+layout, so `*.safetensors` weights load directly.
+
+Three ways through the layers:
+
+- `forward_dense(token_ids)`: plain causal attention without any cache, the
+  reference the paged paths are tested against;
+- `prefill(...)`: one sequence's new tokens; their K/V are written to their
+  slots, then they attend causally over the whole context (any cached prefix
+  included) read back through the sequence's slots;
+- `decode(...)`: one new token for each of a batch of sequences, attention by
+  the paged kernel through the block table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from blocktune.kernels.cache_ops import write_kv
+from blocktune.kernels.paged_attention import paged_attention
+from blocktune.runtime.kv_cache import KVCache
+
+__all__ = ["LlamaModel", "ModelConfig", "ModelLoadError", "load_model"]
+
+
+class ModelLoadError(ValueError):
+    """A model directory or config that cannot be loaded (names the file and the problem)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-architecture model."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def tiny(cls) -> ModelConfig:
+        """A small random model for tests and demos (byte-level vocabulary)."""
+        return cls(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            max_position_embeddings=4096,
+        )
+
+    @classmethod
+    def from_hf_dict(cls, config: dict, source: str = "config.json") -> ModelConfig:
+        """Read a Hugging Face Llama `config.json` dictionary."""
+        # Older configs keep rope_theta at the top level (and rope_scaling for variants);
+        # newer ones put both in rope_parameters.
+        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ModelLoadError(f"{source}: rope scaling {rope!r} is not supported")
+        for flag in ("attention_bias", "mlp_bias"):
+            if config.get(flag):
+                raise ModelLoadError(f"{source}: {flag}=true is not supported")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"{source}: hidden_act {config['hidden_act']!r} is not silu")
+        try:
+            num_heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            return cls(
+                vocab_size=int(config["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(config["intermediate_size"]),
+                num_layers=int(config["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+                head_dim=int(config.get("head_dim") or hidden // num_heads),
+                rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
+                rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            )
+        except KeyError as missing:
+            raise ModelLoadError(f"{source}: missing key {missing}") from None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in fp32."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Apply rotary embeddings to `x [tokens, heads, head_dim]` at `positions [tokens]`."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device).float() / dim))
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+    half = dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(layer, q [T, H, D], k [T, KVH, D], v [T, KVH, D]) -> attention output [T, H, D]."""
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention projections; the attention itself is passed in."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        self.config = config
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self, layer: int, x: torch.Tensor, positions: torch.Tensor, attend: AttentionFn
+    ) -> torch.Tensor:
+        c = self.config
+        q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)
+        k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
+        q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
+        return self.o_proj(attend(layer, q, k, v).reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward block."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP with residual connections."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, layer: int, x: torch.Tensor, positions: torch.Tensor, attend: AttentionFn
+    ) -> torch.Tensor:
+        x = x + self.self_attn(layer, self.input_layernorm(x), positions, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q [T, H, D] are the last T of the context k, v [C, KVH, D]; causal; softmax in fp32."""
+    num_new, num_heads, _ = q.shape
+    context = k.shape[0]
+    group = num_heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1).float()
+    v = v.repeat_interleave(group, dim=1).float()
+    scores = torch.einsum("thd,chd->htc", q.float(), k) * scale
+    query_pos = torch.arange(context - num_new, context, device=q.device)
+    key_pos = torch.arange(context, device=q.device)
+    scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    out = torch.einsum("htc,chd->thd", scores.softmax(dim=-1), v)
+    return out.to(q.dtype)
+
+
+class LlamaModel(nn.Module):
+    """The decoder: token ids in, next-token logits out."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = _Body(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def _run(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(token_ids)
+        for index, layer in enumerate(self.model.layers):
+            x = layer(index, x, positions, attend)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def forward_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits `[T, vocab]` for every position of one sequence, without a cache."""
+        positions = torch.arange(token_ids.shape[0], device=token_ids.device)
+
+        def attend(layer, q, k, v):
+            return causal_attention(q, k, v, self.scale)
+
+        return self.lm_head(self._run(token_ids, positions, attend)).float()
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: torch.Tensor,
+        start: int,
+        context_slots: torch.Tensor,
+        kv: KVCache,
+        backend: str = "torch",
+    ) -> torch.Tensor:
+        """Logits `[vocab]` after one sequence's new tokens at positions `start...`.
+
+        `context_slots [start + T]` are the slots of the whole context in logical
+        order; the first `start` already hold K/V (a cached prefix).
+        """
+        num_new = token_ids.shape[0]
+        positions = torch.arange(start, start + num_new, device=token_ids.device)
+        new_slots = context_slots[start:]
+
+        def attend(layer, q, k, v):
+            write_kv(kv.k[layer], kv.v[layer], k, v, new_slots, backend=backend)
+            keys, values = kv.k[layer][context_slots], kv.v[layer][context_slots]
+            return causal_attention(q, keys, values, self.scale)
+
+        hidden = self._run(token_ids, positions, attend)
+        return self.lm_head(hidden[-1:]).float()[0]
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_size: int,
+        kv: KVCache,
+        backend: str = "torch",
+    ) -> torch.Tensor:
+        """Logits `[S, vocab]` for one new token of each of S sequences."""
+
+        def attend(layer, q, k, v):
+            write_kv(kv.k[layer], kv.v[layer], k, v, slots, backend=backend)
+            return paged_attention(
+                q,
+                kv.k[layer],
+                kv.v[layer],
+                block_table,
+                context_lens,
+                block_size=block_size,
+                scale=self.scale,
+                backend=backend,
+            )
+
+        return self.lm_head(self._run(token_ids, positions, attend)).float()
+
+
+def _init_random(model: LlamaModel, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+
+def load_model(
+    source: str | Path = "tiny-random",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaModel:
+    """`tiny-random` (seeded random weights) or a local directory with config.json and
+    `*.safetensors` (no downloads)."""
+    if str(source) == "tiny-random":
+        model = LlamaModel(ModelConfig.tiny())
+        _init_random(model, seed)
+        return model.to(dtype=dtype, device=device).eval()
+    directory = Path(source)
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"{config_path}: not found (expected a Hugging Face model folder)")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:
+        raise ModelLoadError(f"{config_path}: invalid JSON ({error})") from None
+    config = ModelConfig.from_hf_dict(raw, str(config_path))
+    weight_files = sorted(directory.glob("*.safetensors"))
+    if not weight_files:
+        raise ModelLoadError(f"{directory}: no *.safetensors weight files")
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in weight_files:
+        state.update(load_file(str(path)))
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+    model = LlamaModel(config)
+    expected = set(model.state_dict())
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{directory}: weights do not match the config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    model.load_state_dict(state)
+    return model.to(dtype=dtype, device=device).eval()

@@ -1,0 +1,158 @@
+"""The continuous-batching engine: exact tokens across block sizes, preemption, cancellation."""
+
+import random
+
+import pytest
+import torch
+
+from blocktune.runtime.engine import (
+    Engine,
+    EngineConfig,
+    FinishedRequest,
+    RequestError,
+    SamplingParams,
+)
+from blocktune.runtime.model import load_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-random", seed=0)
+
+
+def _prompts(count, seed=0, low=3, high=40):
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+def _dense_greedy(model, prompt, max_tokens):
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(int(model.forward_dense(torch.tensor(tokens))[-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def _run(model, prompts, max_tokens=12, **config):
+    engine = Engine(model, EngineConfig(**{"num_blocks": 64, **config}))
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
+    engine.blocks.check()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    return [o.token_ids for o in outputs], engine
+
+
+def test_greedy_tokens_match_dense_reference_at_every_block_size(model):
+    prompts = _prompts(6)
+    expected = [_dense_greedy(model, p, 12) for p in prompts]
+    for block_size in (8, 16, 32, 64):
+        tokens, _ = _run(model, prompts, block_size=block_size, num_blocks=512 // block_size)
+        assert tokens == expected, f"block size {block_size}"
+
+
+def test_tiny_pool_forces_preemption_and_keeps_tokens(model):
+    prompts = _prompts(8, seed=1, low=10, high=30)
+    expected, _ = _run(model, prompts, max_tokens=20, block_size=8)
+    tokens, engine = _run(model, prompts, max_tokens=20, block_size=8, num_blocks=12)
+    assert engine.preemptions > 0
+    assert tokens == expected
+
+
+def test_cancelled_requests_do_not_change_survivors(model):
+    prompts = _prompts(6, seed=2)
+    expected, _ = _run(model, prompts, block_size=16)
+    engine = Engine(model, EngineConfig(block_size=16, num_blocks=64))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
+    final = {}
+    for step in range(40):
+        if step == 3:
+            assert engine.cancel(ids[1]) and engine.cancel(ids[4])
+            assert not engine.cancel(ids[1])
+            engine.blocks.check()
+        for output in engine.step():
+            if output.finished:
+                final[output.request_id] = output.token_ids
+    assert sorted(final) == [0, 2, 3, 5]
+    assert all(final[i] == expected[i] for i in final)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert not engine.has_unfinished()
+
+
+def test_prefix_caching_reuses_blocks_and_keeps_tokens(model):
+    shared = _prompts(1, seed=3, low=40, high=40)[0]
+    prompts = [shared + tail for tail in _prompts(4, seed=4, low=2, high=6)]
+    expected, _ = _run(model, prompts, block_size=8)
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=64, enable_prefix_caching=True))
+    first = engine.generate(prompts[:1], SamplingParams(max_tokens=12))
+    rest = engine.generate(prompts[1:], SamplingParams(max_tokens=12))
+    assert [o.token_ids for o in first + rest] == expected
+    # Each later prompt finds the shared 40 tokens (5 full blocks of 8) in the cache.
+    assert engine.stats()["prefix_hit_tokens"] == 3 * 40
+    engine.blocks.check()
+
+
+def test_listeners_receive_finished_lengths_and_stats_are_counted(model):
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=32))
+    finished: list[FinishedRequest] = []
+    engine.add_listener(finished.append)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=5))
+    engine.step()
+    stats = engine.stats()
+    assert stats["running"] == 1 and stats["blocks_used"] == 1
+    assert stats["padding_slots"] == 8 - 3
+    while engine.has_unfinished():
+        engine.step()
+    assert [(f.prompt_tokens, f.output_tokens, f.finish_reason) for f in finished] == [
+        (3, 5, "length")
+    ]
+    assert engine.stats()["blocks_used"] == 0
+
+
+def test_stop_tokens_and_seeded_sampling_are_deterministic(model):
+    prompt = _prompts(1, seed=5)[0]
+    greedy, _ = _run(model, [prompt], max_tokens=8, block_size=16)
+    stop = greedy[0][3]
+    engine = Engine(model, EngineConfig(block_size=16, num_blocks=16))
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=8, stop_token_ids=(stop,)))
+    assert out.token_ids == greedy[0][: greedy[0].index(stop) + 1]
+    assert out.finish_reason == "stop"
+    sampled = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=42)
+    runs = []
+    for block_size in (8, 32):
+        engine = Engine(model, EngineConfig(block_size=block_size, num_blocks=256 // block_size))
+        runs.append(engine.generate([prompt, prompt], sampled))
+    assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+    assert runs[0][0].token_ids == runs[0][1].token_ids
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "needle"),
+    [
+        ([], SamplingParams(), "empty"),
+        (list(range(100)), SamplingParams(), "max_model_len 64"),
+        ([1, 256], SamplingParams(), "token id 256"),
+        ([1, -1], SamplingParams(), "token id -1"),
+        ([1], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1], SamplingParams(temperature=-1), "temperature"),
+        ([1], SamplingParams(top_p=0), "top_p"),
+    ],
+)
+def test_bad_requests_raise_and_engine_keeps_serving(model, prompt, params, needle):
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=16, max_model_len=64))
+    with pytest.raises(RequestError, match=needle):
+        engine.add_request(prompt, params)
+    [out] = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    assert len(out.token_ids) == 3
+
+
+def test_request_that_can_never_fit_is_rejected(model):
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=4, max_model_len=512))
+    with pytest.raises(RequestError, match="only 4 blocks"):
+        engine.add_request(list(range(20)), SamplingParams(max_tokens=40))
+
+
+def test_bad_engine_config_is_named():
+    with pytest.raises(ValueError, match="exactly one"):
+        EngineConfig(block_size=16)
+    with pytest.raises(ValueError, match="'cuda-magic'"):
+        EngineConfig(num_blocks=4, attention_backend="cuda-magic")
+    with pytest.raises(ValueError, match="block_size 24"):
+        EngineConfig(block_size=24, num_blocks=4)
