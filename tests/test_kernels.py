@@ -1,0 +1,416 @@
+"""Paged attention and cache ops: torch reference vs a dense oracle, Triton vs the reference.
+
+On a CPU the Triton cases run under the interpreter (`TRITON_INTERPRET=1`, which
+`make test` sets); without it, and without CUDA, they are skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blocktune.kernels.cache_ops import copy_blocks, warmup_cache_ops, write_kv
+from blocktune.kernels.paged_attention import (
+    KernelInputError,
+    paged_attention,
+    paged_attention_torch,
+    paged_attention_triton,
+    require_triton,
+    warmup,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+def _triton_skip_reason() -> str | None:
+    try:
+        require_triton(DEVICE)
+    except KernelInputError as error:
+        return str(error)
+    return None
+
+
+TRITON_SKIP = _triton_skip_reason()
+needs_triton = pytest.mark.skipif(TRITON_SKIP is not None, reason=TRITON_SKIP or "")
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+
+
+class Paged:
+    """Contiguous per-sequence K/V and the same tokens scattered into a paged pool."""
+
+    def __init__(self, lens, block_size, num_kv_heads, head_dim, dtype, seed, spare_blocks=3):
+        tokens = torch.Generator().manual_seed(seed)
+        layout = torch.Generator().manual_seed(seed + 1)
+        shape = (num_kv_heads, head_dim)
+        # The logical K/V depend on the seed only, not on the block size.
+        self.keys = [torch.randn(n, *shape, generator=tokens).to(dtype) for n in lens]
+        self.values = [torch.randn(n, *shape, generator=tokens).to(dtype) for n in lens]
+        counts = [math.ceil(n / block_size) for n in lens]
+        total = sum(counts) + spare_blocks
+        ids = torch.randperm(total, generator=layout).to(torch.int32)  # scattered block ids
+        # Unused table entries are -1: the kernels must never dereference them.
+        table = torch.full((len(lens), max(counts) + 1), -1, dtype=torch.int32)
+        # Slots no sequence owns (spare blocks, partial-block tails) hold garbage.
+        self.key_cache = torch.randn(total * block_size, *shape, generator=layout).to(dtype)
+        self.value_cache = torch.randn(total * block_size, *shape, generator=layout).to(dtype)
+        taken = 0
+        for seq, n in enumerate(lens):
+            table[seq, : counts[seq]] = ids[taken : taken + counts[seq]]
+            taken += counts[seq]
+            for token in range(n):
+                slot = int(table[seq, token // block_size]) * block_size + token % block_size
+                self.key_cache[slot] = self.keys[seq][token]
+                self.value_cache[slot] = self.values[seq][token]
+        self.block_table = table
+        self.context_lens = torch.tensor(lens, dtype=torch.int32)
+
+    def to(self, device):
+        for name in ("key_cache", "value_cache", "block_table", "context_lens"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def args(self, query):
+        return query, self.key_cache, self.value_cache, self.block_table, self.context_lens
+
+
+def dense_attention(query, keys, values, scale):
+    """Independent oracle: per sequence and head, float64 softmax over contiguous K/V."""
+    num_seqs, num_heads, _ = query.shape
+    group = num_heads // keys[0].shape[1]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for seq in range(num_seqs):
+        for head in range(num_heads):
+            k = keys[seq][:, head // group].double()
+            v = values[seq][:, head // group].double()
+            weights = torch.softmax(k @ query[seq, head].double() * scale, dim=0)
+            out[seq, head] = weights @ v
+    return out
+
+
+def _query(num_seqs, num_heads, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(num_seqs, num_heads, head_dim, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "num_heads", "num_kv_heads", "dtype"),
+    [
+        (8, 4, 4, torch.float32),
+        (16, 4, 2, torch.float32),
+        (32, 8, 2, torch.float32),
+        (128, 4, 1, torch.float32),
+        (16, 4, 2, torch.float16),
+        (64, 4, 2, torch.bfloat16),
+    ],
+)
+def test_torch_reference_matches_dense_oracle(block_size, num_heads, num_kv_heads, dtype):
+    lens = [1, block_size, block_size + 1, 3 * block_size - 5]
+    paged = Paged(lens, block_size, num_kv_heads, 32, dtype, seed=block_size)
+    query = _query(len(lens), num_heads, 32, dtype, seed=block_size)
+    out = paged_attention_torch(*paged.args(query), block_size=block_size, scale=0.3)
+    expected = dense_attention(query, paged.keys, paged.values, scale=0.3)
+    assert out.dtype == dtype and out.shape == query.shape
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_torch_reference_default_scale_is_inverse_sqrt_head_dim():
+    paged = Paged([5, 20], 8, 2, 16, torch.float32, seed=3)
+    query = _query(2, 2, 16, torch.float32, seed=3)
+    out = paged_attention(*paged.args(query), block_size=8)
+    expected = dense_attention(query, paged.keys, paged.values, scale=16**-0.5)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "tile_size", "num_heads", "num_kv_heads", "head_dim", "dtype", "partition"),
+    [
+        (8, 16, 4, 4, 16, torch.float32, None),  # tile > block
+        (8, 64, 4, 1, 32, torch.float32, None),  # GQA 4:1, 8 blocks per tile
+        (16, 16, 2, 2, 32, torch.float32, None),  # tile == block
+        (128, 16, 4, 2, 16, torch.float32, None),  # tile < block: 8 tiles per block
+        (64, 32, 8, 2, 32, torch.float32, 64),  # split-K over 64-token partitions
+        (32, 64, 4, 2, 64, torch.float16, None),
+        (16, 32, 4, 1, 32, torch.float16, 32),
+        (16, 64, 4, 2, 32, torch.bfloat16, None),
+    ],
+)
+@needs_triton
+def test_triton_matches_torch_reference(
+    block_size, tile_size, num_heads, num_kv_heads, head_dim, dtype, partition
+):
+    if dtype == torch.bfloat16 and DEVICE.type != "cuda":
+        pytest.skip("the Triton interpreter cannot multiply bf16 (kernel refuses it)")
+    lens = [1, block_size - 1, 2 * block_size + 3, 150]
+    paged = Paged(lens, block_size, num_kv_heads, head_dim, dtype, seed=block_size + tile_size)
+    query = _query(len(lens), num_heads, head_dim, dtype, seed=tile_size)
+    expected = paged_attention_torch(*paged.args(query), block_size=block_size)
+    paged.to(DEVICE)
+    out = paged_attention_triton(
+        *paged.args(query.to(DEVICE)),
+        block_size=block_size,
+        tile_size=tile_size,
+        partition_size=partition,
+    )
+    assert out.dtype == dtype and out.shape == query.shape
+    torch.testing.assert_close(out.cpu(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@needs_triton
+@settings(max_examples=12, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 200), min_size=1, max_size=3),
+    block_size=st.sampled_from([8, 16, 32, 64, 128]),
+    tile_size=st.sampled_from([16, 32, 64, 128]),
+    group=st.sampled_from([1, 2, 4]),
+    num_kv_heads=st.sampled_from([1, 2]),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+    split=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_matches_reference_on_random_ragged_batches(
+    lens, block_size, tile_size, group, num_kv_heads, dtype, split, seed
+):
+    paged = Paged(lens, block_size, num_kv_heads, 16, dtype, seed=seed)
+    query = _query(len(lens), group * num_kv_heads, 16, dtype, seed=seed)
+    expected = paged_attention_torch(*paged.args(query), block_size=block_size, scale=0.5)
+    paged.to(DEVICE)
+    out = paged_attention(
+        *paged.args(query.to(DEVICE)),
+        block_size=block_size,
+        scale=0.5,
+        backend="triton",
+        tile_size=tile_size,
+    )
+    torch.testing.assert_close(out.cpu(), expected, atol=TOLERANCE[dtype], rtol=0)
+    if split:
+        parts = paged_attention_triton(
+            *paged.args(query.to(DEVICE)),
+            block_size=block_size,
+            scale=0.5,
+            tile_size=tile_size,
+            partition_size=tile_size,
+        )
+        torch.testing.assert_close(parts.cpu(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_outputs_are_bit_identical_for_every_block_size(backend):
+    lens = [3, 70, 129]
+    query = _query(3, 4, 16, torch.float32, seed=7).to(DEVICE)
+    outs = []
+    for block_size in (8, 16, 32, 64):
+        # Same seed: the same logical K/V, laid out in blocks of a different size.
+        paged = Paged(lens, block_size, 2, 16, torch.float32, seed=11).to(DEVICE)
+        outs.append(paged_attention(*paged.args(query), block_size=block_size, backend=backend))
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_write_kv_writes_each_token_into_its_slot(backend, index_dtype, dtype):
+    gen = torch.Generator().manual_seed(5)
+    num_slots, num_kv_heads, head_dim = 24, 2, 12  # head_dim need not be a power of two
+    key_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    value_cache = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # K and V as views into a fused projection: strided in the token dimension.
+    fused = torch.randn(5, 3 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    key, value = fused[:, num_kv_heads : 2 * num_kv_heads], fused[:, 2 * num_kv_heads :]
+    slots = torch.randperm(num_slots, generator=gen)[:5].to(index_dtype)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    for token, slot in enumerate(slots.tolist()):
+        expected_k[slot] = key[token]
+        expected_v[slot] = value[token]
+    caches = (key_cache.to(DEVICE), value_cache.to(DEVICE))
+    write_kv(*caches, key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE), backend=backend)
+    assert torch.equal(caches[0].cpu(), expected_k)
+    assert torch.equal(caches[1].cpu(), expected_v)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_copy_blocks_copies_every_pair_in_every_layer(backend, as_tensor):
+    gen = torch.Generator().manual_seed(9)
+    block_size, num_blocks, num_layers = 4, 8, 3
+    shape = (num_blocks * block_size, 2, 8)
+    key_caches = [torch.randn(*shape, generator=gen) for _ in range(num_layers)]
+    value_caches = [torch.randn(*shape, generator=gen) for _ in range(num_layers)]
+    pairs = [(1, 5), (3, 0), (6, 2)]
+    expected = []
+    for cache in key_caches + value_caches:
+        blocks = cache.clone().view(num_blocks, block_size, 2, 8)
+        for src, dst in pairs:
+            blocks[dst] = cache.view(num_blocks, block_size, 2, 8)[src]
+        expected.append(blocks.view(shape))
+    keys = [cache.to(DEVICE) for cache in key_caches]
+    values = [cache.to(DEVICE) for cache in value_caches]
+    arg = torch.tensor(pairs, device=DEVICE) if as_tensor else pairs
+    copy_blocks(keys, values, arg, block_size=block_size, backend=backend)
+    for got, want in zip(keys + values, expected, strict=True):
+        assert torch.equal(got.cpu(), want)
+    before = [cache.clone() for cache in keys]
+    copy_blocks(keys, values, [], block_size=block_size, backend=backend)
+    assert all(torch.equal(a, b) for a, b in zip(keys, before, strict=True))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_warmup_then_every_block_size_runs(backend):
+    warmup(
+        [8, 32],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        dtype=torch.float32,
+        device=DEVICE,
+        backend=backend,
+    )
+    warmup_cache_ops(
+        num_kv_heads=2, head_dim=16, dtype=torch.float32, device=DEVICE, backend=backend
+    )
+    for block_size in (8, 32):
+        paged = Paged([40, 9], block_size, 2, 16, torch.float32, seed=block_size).to(DEVICE)
+        query = _query(2, 4, 16, torch.float32, seed=1).to(DEVICE)
+        out = paged_attention(*paged.args(query), block_size=block_size, backend=backend)
+        expected = dense_attention(query.cpu(), paged.keys, paged.values, scale=0.25)
+        torch.testing.assert_close(out.cpu().double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="compilation happens on CUDA only")
+def test_warmup_compiles_every_variant_ahead():
+    from blocktune.kernels import paged_attention as module
+
+    warmup(
+        [8, 16, 64], num_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16, device=DEVICE
+    )
+    cache = module._paged_attention_kernel.device_caches[torch.cuda.current_device()][0]
+    compiled = len(cache)
+    for block_size, lens in ((8, [3, 700, 2000]), (16, [1]), (64, [5000, 64])):
+        paged = Paged(lens, block_size, 2, 64, torch.float16, seed=2).to(DEVICE)
+        query = _query(len(lens), 8, 64, torch.float16, seed=2).to(DEVICE)
+        paged_attention_triton(*paged.args(query), block_size=block_size)
+    assert len(cache) == compiled
+
+
+def _attention_case():
+    paged = Paged([5, 12], 8, 2, 16, torch.float32, seed=0)
+    return paged, _query(2, 4, 16, torch.float32, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"block_size": 12}, "block_size must be a power of two, got 12"),
+        ({"backend": "cuda"}, "unknown backend 'cuda'"),
+        ({"query": torch.zeros(2, 3, 16)}, "num_heads 3 is not a multiple of num_kv_heads 2"),
+        ({"query": torch.zeros(2, 4, 8)}, "query head_dim 8 != cache head_dim 16"),
+        ({"query": torch.zeros(2, 4, 16, dtype=torch.float64)}, "query dtype must be one of"),
+        ({"query": torch.zeros(3, 4, 16)}, "block_table has 2 rows for 3 sequences"),
+        ({"context_lens": torch.tensor([5, 0], dtype=torch.int32)}, r"context_lens\[1\] = 0"),
+        ({"context_lens": torch.tensor([5, 12])}, "context_lens must be a 1-D int32 tensor"),
+        ({"context_lens": torch.tensor([25, 1], dtype=torch.int32)}, "exceeds the block table"),
+        (
+            {"block_table": torch.tensor([[9, 0, 1], [2, 3, 4]], dtype=torch.int32)},
+            r"block_table\[0, 0\] = 9 is outside the pool.s 6 blocks of 8",
+        ),
+        ({"value_cache": torch.zeros(10, 2, 16)}, "differ"),
+    ],
+)
+def test_attention_rejects_bad_inputs(change, message):
+    paged, query = _attention_case()
+    args = {
+        "query": query,
+        "key_cache": paged.key_cache,
+        "value_cache": paged.value_cache,
+        "block_table": paged.block_table,
+        "context_lens": paged.context_lens,
+        "block_size": 8,
+        "backend": "torch",
+    } | change
+    with pytest.raises(KernelInputError, match=message):
+        paged_attention(**args)
+
+
+@needs_triton
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"tile_size": 8}, "tile_size must be a power of two in 16..256, got 8"),
+        ({"tile_size": 48}, "tile_size must be a power of two in 16..256, got 48"),
+        ({"tile_size": 32, "partition_size": 48}, "multiple of the tile size 32"),
+    ],
+)
+def test_triton_rejects_bad_tiles(kwargs, message):
+    paged, query = _attention_case()
+    paged.to(DEVICE)
+    with pytest.raises(KernelInputError, match=message):
+        paged_attention_triton(*paged.args(query.to(DEVICE)), block_size=8, **kwargs)
+
+
+@needs_triton
+def test_triton_rejects_head_dims_it_cannot_tile():
+    paged = Paged([5], 8, 1, 24, torch.float32, seed=0).to(DEVICE)
+    query = _query(1, 1, 24, torch.float32, seed=0).to(DEVICE)
+    with pytest.raises(KernelInputError, match="head_dim must be a power of two in 16..256"):
+        paged_attention_triton(*paged.args(query), block_size=8)
+
+
+@pytest.mark.skipif(TRITON_SKIP is None, reason="Triton can run here")
+def test_triton_backend_explains_why_it_cannot_run():
+    paged, query = _attention_case()
+    with pytest.raises(KernelInputError, match="backend 'triton'"):
+        paged_attention(*paged.args(query), block_size=8, backend="triton")
+    cache = torch.zeros(8, 2, 4)
+    with pytest.raises(KernelInputError, match="backend 'triton'"):
+        copy_blocks([cache], [cache.clone()], [(0, 1)], block_size=2, backend="triton")
+
+
+def test_write_kv_rejects_bad_slots():
+    cache = torch.zeros(8, 2, 4)
+    token = torch.ones(2, 2, 4)
+    with pytest.raises(KernelInputError, match=r"slot_mapping\[1\] = 8 is outside the pool's 8"):
+        write_kv(cache, cache.clone(), token, token, torch.tensor([0, 8]))
+    with pytest.raises(KernelInputError, match="more than once"):
+        write_kv(cache, cache.clone(), token, token, torch.tensor([3, 3]))
+    with pytest.raises(KernelInputError, match=r"slot_mapping must be int32/int64 of shape \[2\]"):
+        write_kv(cache, cache.clone(), token, token, torch.tensor([0.0, 1.0]))
+    with pytest.raises(KernelInputError, match=r"key must be \[num_tokens, 2, 4\]"):
+        write_kv(cache, cache.clone(), torch.ones(2, 4), token, torch.tensor([0, 1]))
+    with pytest.raises(KernelInputError, match="unknown backend 'numpy'"):
+        write_kv(cache, cache.clone(), token, token, torch.tensor([0, 1]), backend="numpy")
+    assert not cache.any()
+
+
+@pytest.mark.parametrize(
+    ("pairs", "message"),
+    [
+        ([(0, 4)], r"pairs\[0\] = \(0, 4\): block 4 is outside the pool's 4 blocks"),
+        ([(0, 1), (2, 1)], "same destination block more than once"),
+        ([(0, 1), (1, 2)], r"pairs\[0\] = \(0, 1\): a destination block is also a source"),
+        (torch.tensor([[0.0, 1.0]]), "integer pairs"),
+    ],
+)
+def test_copy_blocks_rejects_bad_pairs(pairs, message):
+    cache = torch.arange(8 * 2 * 4, dtype=torch.float32).view(8, 2, 4)
+    before = cache.clone()
+    with pytest.raises(KernelInputError, match=message):
+        copy_blocks([cache], [cache.clone()], pairs, block_size=2)
+    assert torch.equal(cache, before)
+
+
+def test_copy_blocks_rejects_mismatched_layers_and_block_sizes():
+    cache = torch.zeros(8, 2, 4)
+    with pytest.raises(KernelInputError, match="one value cache per key cache"):
+        copy_blocks([cache, cache], [cache], [(0, 1)], block_size=2)
+    with pytest.raises(KernelInputError, match="layer 1: cache"):
+        copy_blocks(
+            [cache, torch.zeros(16, 2, 4)], [cache, torch.zeros(16, 2, 4)], [], block_size=2
+        )
+    with pytest.raises(KernelInputError, match="block_size must be a power of two, got 3"):
+        copy_blocks([cache], [cache], [(0, 1)], block_size=3)
+    with pytest.raises(KernelInputError, match="block_size 16 does not divide the pool's 8"):
+        copy_blocks([cache], [cache], [(0, 1)], block_size=16)
