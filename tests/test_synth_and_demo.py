@@ -12,7 +12,14 @@ def test_day_is_deterministic_and_has_its_phases():
     day = customer_service_day(7, duration_s=3600, rate_scale=0.05)
     again = customer_service_day(7, duration_s=3600, rate_scale=0.05)
     pd.testing.assert_frame_equal(day, again)
-    assert list(day.columns) == ["arrival_s", "prompt_tokens", "output_tokens", "phase"]
+    assert list(day.columns) == [
+        "arrival_s",
+        "prompt_tokens",
+        "output_tokens",
+        "phase",
+        "prefix_group",
+        "prefix_hashes",
+    ]
     assert day.arrival_s.is_monotonic_increasing
     assert day.arrival_s.min() >= 0 and day.arrival_s.max() <= 3600
     by_phase = day.groupby("phase").prompt_tokens

@@ -16,7 +16,11 @@ from blocktune import __version__
 
 __all__ = ["build_parser", "main"]
 
-COMMAND_MODULES = ("blocktune.tuner.demo", "blocktune.tuner.generate_cmd")
+COMMAND_MODULES = (
+    "blocktune.tuner.demo",
+    "blocktune.tuner.generate_cmd",
+    "blocktune.tuner.trace_cmd",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
