@@ -20,7 +20,7 @@ them; the least recently released one is evicted first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -99,6 +99,46 @@ class BlockManager:
         self._block_key: list[CacheKey | None] = [None] * num_blocks
         self._seqs: dict[object, _Sequence] = {}
         self._pending_copies: list[tuple[int, int]] = []
+
+    @classmethod
+    def from_sequences(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        sequences: Mapping[object, tuple[Sequence[int], Sequence[int]]],
+        *,
+        enable_prefix_caching: bool = False,
+    ) -> BlockManager:
+        """A manager whose sequences hold exactly the given blocks.
+
+        `sequences` maps each sequence id to `(block_ids, token_ids)`. Refcounts
+        are the references counted; every other block is free (lowest id first);
+        with prefix caching, full blocks are keyed from the tokens. This is how a
+        block-size swap builds the state at the new size.
+        """
+        manager = cls(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        manager._free.clear()
+        for seq_id, (block_ids, token_ids) in sequences.items():
+            blocks, tokens = list(block_ids), list(token_ids)
+            if len(blocks) != -(-len(tokens) // block_size):
+                raise BlockManagerError(
+                    f"sequence {seq_id!r}: {len(blocks)} blocks for {len(tokens)} tokens "
+                    f"at block size {block_size}"
+                )
+            seq = _Sequence(blocks=blocks, num_tokens=len(tokens))
+            manager._seqs[seq_id] = seq
+            for block in blocks:
+                manager._refcount[block] += 1
+            if enable_prefix_caching:
+                full = len(tokens) // block_size * block_size
+                for start in range(0, full, block_size):
+                    seq.tail_tokens = tokens[start : start + block_size]
+                    manager._seal(seq, blocks[start // block_size])
+                seq.tail_tokens = tokens[full:]
+        manager._free.update(
+            dict.fromkeys(b for b in range(num_blocks - 1, -1, -1) if manager._refcount[b] == 0)
+        )
+        return manager
 
     # ------------------------------------------------------------------ properties
     @property
@@ -305,15 +345,14 @@ class BlockManager:
             if self._prefix_caching:
                 seq.tail_tokens.extend(tokens[pos : pos + take])
                 if len(seq.tail_tokens) == size:
-                    self._seal(seq)
+                    self._seal(seq, seq.blocks[-1])
             pos += take
 
-    def _seal(self, seq: _Sequence) -> None:
-        """The last block just became full: key it in the prefix cache and start a new tail."""
+    def _seal(self, seq: _Sequence, block: int) -> None:
+        """`block` just became full with the tail tokens: key it and start a new tail."""
         key = (seq.last_full_hash, tuple(seq.tail_tokens))
         seq.tail_tokens = []
         seq.last_full_hash = hash(key)
-        block = seq.blocks[-1]
         if key not in self._cache and self._block_key[block] is None:
             self._cache[key] = block
             self._block_key[block] = key

@@ -18,6 +18,8 @@ window observes.
 from __future__ import annotations
 
 import itertools
+import logging
+import queue
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,6 +30,13 @@ import torch
 from blocktune.kernels.cache_ops import copy_blocks
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.runtime.block_table import BlockTable
+from blocktune.runtime.hot_swap import (
+    SwapRejected,
+    SwapResult,
+    SwapTicket,
+    prepare_swap,
+    write_staged,
+)
 from blocktune.runtime.kv_cache import KVCache, slots_for_budget
 from blocktune.runtime.model import LlamaModel
 
@@ -41,6 +50,7 @@ __all__ = [
 ]
 
 BACKENDS = ("torch", "triton")
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -63,6 +73,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     enable_prefix_caching: bool = False
     candidate_block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)
+    swap_staging_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:
         if (self.num_blocks is None) == (self.kv_bytes is None):
@@ -74,6 +85,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        bad = [b for b in self.candidate_block_sizes if b <= 0 or b & (b - 1)]
+        if bad:
+            raise ValueError(f"candidate block sizes must be powers of two, got {bad}")
         if self.block_size not in self.candidate_block_sizes:
             raise ValueError(
                 f"block_size {self.block_size} is not among the candidate block sizes "
@@ -178,6 +192,10 @@ class Engine:
         self.preemptions = 0
         self.prefix_hit_tokens = 0
         self.steps = 0
+        self._swap_requests: queue.SimpleQueue[SwapTicket] = queue.SimpleQueue()
+        self.swap_history: list[SwapResult] = []
+        # Test seam: called with "copy" and "table" during a swap's prepare phase.
+        self.swap_fault_hook: Callable[[str], None] | None = None
         if config.attention_backend == "triton":
             from blocktune.kernels.paged_attention import warmup
 
@@ -269,6 +287,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Admit, prefill, grow, copy and decode once; returns each request's new tokens."""
         self.steps += 1
+        self._apply_swaps()
         already_running = list(self._running)
         outputs = [self._prefill(r) for r in self._admit()]
         decoding = self._grow(already_running)
@@ -360,6 +379,79 @@ class Engine:
         tokens = self._sample_batch(batch, logits)
         return [self._accept(r, t) for r, t in zip(batch, tokens, strict=True)]
 
+    # ------------------------------------------------------------------ block-size swaps
+    def request_block_size(self, new_block_size: int) -> SwapTicket:
+        """Ask for a block-size change at the next step boundary (thread-safe)."""
+        ticket = SwapTicket(new_block_size)
+        self._swap_requests.put(ticket)
+        return ticket
+
+    def _apply_swaps(self) -> None:
+        while True:
+            try:
+                ticket = self._swap_requests.get_nowait()
+            except queue.Empty:
+                return
+            start = time.perf_counter()
+            result = self._swap(ticket.new_block_size)
+            result = SwapResult(**{**result.to_dict(), "pause_s": time.perf_counter() - start})
+            self.swap_history.append(result)
+            log.info("block-size swap %s", result.to_dict())
+            ticket.resolve(result)
+
+    def _swap(self, new_size: int) -> SwapResult:
+        old_size = self.block_size
+
+        def rejected(reason: str) -> SwapResult:
+            return SwapResult("rejected", old_size, new_size, reason=reason)
+
+        if new_size not in self.config.candidate_block_sizes:
+            return rejected(
+                f"{new_size} is not a candidate block size {self.config.candidate_block_sizes}"
+            )
+        num_blocks = self.kv.num_slots // new_size
+        for request in self._requests.values():
+            stored = min(len(request.prompt) + request.params.max_tokens, self.config.max_model_len)
+            if -(-(stored - 1) // new_size) > num_blocks:
+                return rejected(
+                    f"request {request.id} may hold {stored - 1} tokens, more than the "
+                    f"{num_blocks} blocks of {new_size} in the pool"
+                )
+        try:
+            prepared = prepare_swap(
+                self.blocks,
+                self.table,
+                self.kv,
+                new_size,
+                tokens={r.id: r.tokens[: self.blocks.num_tokens(r.id)] for r in self._running},
+                rows={r.id: r.row for r in self._running},
+                max_model_len=self.config.max_model_len,
+                backend=self.config.attention_backend,
+                staging_budget_bytes=self.config.swap_staging_bytes,
+                fault_hook=self.swap_fault_hook,
+            )
+        except SwapRejected as error:
+            return rejected(str(error))
+        except Exception as error:  # anything before the commit leaves the engine as it was
+            log.exception("block-size swap to %d rolled back", new_size)
+            return SwapResult(
+                "rolled_back", old_size, new_size, reason=f"{type(error).__name__}: {error}"
+            )
+        if prepared.staging is not None:
+            write_staged(self.kv, prepared)
+        self.blocks, self.table, self.block_size = prepared.manager, prepared.table, new_size
+        if self.kv.k[0].is_cuda:
+            torch.cuda.synchronize(self.kv.k[0].device)
+        plan = prepared.plan
+        return SwapResult(
+            "done",
+            old_size,
+            new_size,
+            zero_copy_blocks=plan.zero_copy_blocks,
+            copied_blocks=plan.copied_blocks,
+            bytes_moved=prepared.bytes_moved,
+        )
+
     # ------------------------------------------------------------------ sampling
     def _sample_batch(self, batch: list[_Request], logits: torch.Tensor) -> list[int]:
         if all(r.params.temperature == 0 for r in batch):
@@ -430,4 +522,9 @@ class Engine:
             "preemptions": self.preemptions,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "steps": self.steps,
+            "swaps_done": sum(r.status == "done" for r in self.swap_history),
+            "swaps_rejected": sum(r.status == "rejected" for r in self.swap_history),
+            "swaps_rolled_back": sum(r.status == "rolled_back" for r in self.swap_history),
+            "swap_bytes_moved": sum(r.bytes_moved for r in self.swap_history),
+            "last_swap_pause_s": self.swap_history[-1].pause_s if self.swap_history else 0.0,
         }
