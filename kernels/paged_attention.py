@@ -405,10 +405,13 @@ def paged_attention_triton(
         )
     num_parts = 1 if partition_size is None else triton.cdiv(max_tokens, partition_size)
     split = num_parts > 1
-    states = (num_seqs, num_heads, num_parts) if split else (1,)
-    part_max = torch.empty(states, dtype=torch.float32, device=query.device)
-    part_sum = torch.empty_like(part_max)
-    part_acc = torch.empty((*states, head_dim), dtype=torch.float32, device=query.device)
+    if split:
+        states = (num_seqs, num_heads, num_parts)
+        part_max = torch.empty(states, dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty((*states, head_dim), dtype=torch.float32, device=query.device)
+    else:  # one pass never touches the partition states (SPLIT is a constexpr)
+        part_max = part_sum = part_acc = out
     group = num_heads // num_kv_heads
     _paged_attention_kernel[(num_seqs, num_kv_heads, num_parts)](
         out,
