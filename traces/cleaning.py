@@ -80,7 +80,7 @@ class RowChecker:
             checks.append(_Check("bad_timestamp", spec.time_col, bad_time))
         lengths = {c: _numbers(raw[c]) for c in (spec.prompt_col, spec.output_col)}
         for column, values in lengths.items():
-            whole = np.isfinite(values) & (np.mod(values, 1.0) == 0)
+            whole = np.isfinite(values) & (np.floor(values) == values)
             checks.append(_Check("non_integer_length", column, ~whole))
         for column, values in lengths.items():
             checks.append(_Check("negative_length", column, values < 0))
@@ -97,15 +97,16 @@ class RowChecker:
             code[check.bad & (code < 0)] = index
         if self.strict and (code >= 0).any():
             self._raise_first(chunk, checks, code)
-        for index, check in enumerate(checks):
-            self.tally.add(check.reason, chunk.lines[code == index])
+        reasons = np.array([check.reason for check in checks])
+        for reason in dict.fromkeys(reasons):
+            self.tally.add(reason, chunk.lines[np.isin(code, np.flatnonzero(reasons == reason))])
         good = code < 0
         out["prompt_tokens"] = lengths[spec.prompt_col]
         out["output_tokens"] = lengths[spec.output_col]
         out = out[good].astype({"prompt_tokens": np.int64, "output_tokens": np.int64})
         if spec.hash_col:
             kept = [h for h, ok in zip(hashes, good, strict=True) if ok]
-            out["prefix_group"] = self._groups(raw, good, kept)
+            out["prefix_group"] = pd.Series(self._groups(raw, good, kept), out.index, object)
             out["prefix_hashes"] = pd.Series(kept, index=out.index, dtype=object)
         return out.reset_index(drop=True)
 

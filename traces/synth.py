@@ -174,8 +174,10 @@ def customer_service_day(
     day = pd.concat(frames, ignore_index=True).sort_values("arrival_s", kind="stable")
     groups = day.pop("_group").tolist()
     day["arrival_s"] *= duration_s / DAY_S
-    day["prefix_group"] = [f"doc-{g}" if g >= 0 else None for g in groups]
-    day["prefix_hashes"] = [[int(group_hashes[g])] if g >= 0 else [] for g in groups]
+    labels = [f"doc-{g}" if g >= 0 else None for g in groups]
+    day["prefix_group"] = pd.Series(labels, index=day.index, dtype=object)
+    hashes = [[int(group_hashes[g])] if g >= 0 else [] for g in groups]
+    day["prefix_hashes"] = pd.Series(hashes, index=day.index, dtype=object)
     return day.reset_index(drop=True)
 
 
