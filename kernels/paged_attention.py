@@ -44,7 +44,9 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tokens per split-K partition on CUDA when there are too few (sequence, KV head) pairs
 # to fill the device; a multiple of every supported tile size.
 DEFAULT_PARTITION = 512
+MIN_DOT = 16  # tl.dot needs every matrix dimension >= 16 (tiles, head_dim, padded group)
 MAX_TILE = 256
+MAX_HEAD_DIM = 256
 
 
 class KernelInputError(ValueError):
@@ -377,10 +379,10 @@ def paged_attention_triton(
     require_triton(query.device)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
-    if not _is_power_of_two(head_dim) or not 16 <= head_dim <= MAX_TILE:
+    if not _is_power_of_two(head_dim) or not MIN_DOT <= head_dim <= MAX_HEAD_DIM:
         raise KernelInputError(f"head_dim must be a power of two in 16..256, got {head_dim}")
     tile = default_tile_size(head_dim) if tile_size is None else tile_size
-    if not _is_power_of_two(tile) or not 16 <= tile <= MAX_TILE:
+    if not _is_power_of_two(tile) or not MIN_DOT <= tile <= MAX_TILE:
         raise KernelInputError(f"tile_size must be a power of two in 16..256, got {tile}")
     if query.dtype == torch.bfloat16 and not isinstance(_paged_attention_kernel, JITFunction):
         raise KernelInputError(
@@ -435,7 +437,7 @@ def paged_attention_triton(
         value_cache.stride(1),
         block_table.stride(0),
         GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP_PAD=max(MIN_DOT, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         TILE=tile,
