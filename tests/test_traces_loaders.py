@@ -91,7 +91,7 @@ CASES = [
     for fmt in CSV_LAYOUTS
     for field, text, reason in BAD_CELLS
     if not (fmt == "lengths" and field == "time")
-] + [("burstgpt", "output", "0", "failed_request"), ("azure", "output", "0", "zero_length")]
+] + [("azure", "output", "0", "zero_length"), ("burstgpt", "prompt", "0", "zero_length")]
 
 
 def load_csv_case(tmp_path, fmt, rows, **kwargs):
@@ -125,6 +125,20 @@ def test_a_bad_cell_is_skipped_and_counted_or_stops_strict_mode(tmp_path, fmt, f
     assert "line 3," in message
     assert repr(column) in message
     assert REASONS[reason] in message
+
+
+def test_burstgpt_failed_requests_are_dropped_and_counted_even_in_strict_mode(tmp_path):
+    rows = good_rows("burstgpt", 5)
+    for index in (1, 3):
+        rows[index] = (rows[index][0], rows[index][1], "0")
+    for strict in (False, True):
+        loaded = load_csv_case(tmp_path, "burstgpt", rows, strict=strict)
+        assert loaded.skipped == {"failed_request": 2}
+        assert loaded.first_bad_lines == {"failed_request": [3, 5]}
+        assert loaded.frame.prompt_tokens.tolist() == [10, 12, 14]
+    rows[4] = (rows[4][0], "-1", rows[4][2])
+    with pytest.raises(TraceError, match=r"line 6, column 'Request tokens': negative length"):
+        load_csv_case(tmp_path, "burstgpt", rows, strict=True)
 
 
 def test_strict_mode_names_the_first_bad_row_even_in_a_later_chunk(tmp_path):

@@ -2,7 +2,8 @@
 
 Each row is checked in the order of `schema.REASONS` (column by column within
 a reason) and counted under its first failing check. In strict mode the first
-bad row of the file raises `TraceError` naming the file, line and column.
+bad row of the file raises `TraceError` naming the file, line and column
+(rows dropped for a reason in `schema.NOT_ERRORS` are still only counted).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pandas as pd
 
 from blocktune.traces.formats import FormatSpec
 from blocktune.traces.readers import Chunk
-from blocktune.traces.schema import REASONS, TraceError
+from blocktune.traces.schema import NOT_ERRORS, REASONS, TraceError
 
 __all__ = ["FIRST_LINES_KEPT", "RowChecker", "SkipTally", "parse_hashes"]
 
@@ -53,6 +54,26 @@ class _Check:
     bad: np.ndarray
 
 
+@dataclass(frozen=True)
+class _Parsed:
+    """The values of one chunk, parsed column by column (invalid cells: NaN or None)."""
+
+    times: np.ndarray | None
+    bad_times: np.ndarray | None
+    lengths: dict[str, np.ndarray]
+    hashes: list[list[int] | None] | None
+
+    @classmethod
+    def of(cls, raw: pd.DataFrame, spec: FormatSpec) -> _Parsed:
+        times = bad_times = hashes = None
+        if spec.time_col:
+            times, bad_times = _parse_times(raw[spec.time_col], spec.time_unit)
+        if spec.hash_col:
+            hashes = [parse_hashes(v, spec.hash_split) for v in raw[spec.hash_col]]
+        lengths = {c: _numbers(raw[c]) for c in (spec.prompt_col, spec.output_col)}
+        return cls(times, bad_times, lengths, hashes)
+
+
 class RowChecker:
     """Cleans the chunks of one file for one format; keeps the tally of skipped rows."""
 
@@ -65,20 +86,28 @@ class RowChecker:
 
     def clean(self, chunk: Chunk) -> pd.DataFrame:
         """The good rows of `chunk`: ``_line``, ``_t`` (if timed), lengths, prefix columns."""
-        spec, raw = self.spec, chunk.raw
-        self.rows_read += len(raw)
+        self.rows_read += len(chunk.raw)
+        parsed = _Parsed.of(chunk.raw, self.spec)
+        checks = self._checks(chunk, parsed)
+        code = np.full(len(chunk.raw), -1, dtype=np.int16)
+        for index, check in enumerate(checks):
+            code[check.bad & (code < 0)] = index
+        if self.strict:
+            self._raise_first(chunk, checks, code)
+        reasons = np.array([check.reason for check in checks])
+        for reason in dict.fromkeys(reasons):
+            self.tally.add(reason, chunk.lines[np.isin(code, np.flatnonzero(reasons == reason))])
+        return self._good_rows(chunk, parsed, code < 0)
+
+    def _checks(self, chunk: Chunk, parsed: _Parsed) -> list[_Check]:
+        """Every check of the chunk, in the order a row's reason is chosen."""
+        spec, lengths = self.spec, parsed.lengths
         checks = [_Check("malformed_json", None, chunk.malformed)]
-        missing = {
-            c: raw[c].isna().to_numpy()
-            for c in (spec.time_col, spec.prompt_col, spec.output_col)
-            if c
-        }
-        checks += [_Check("missing_value", c, bad) for c, bad in missing.items()]
-        out = pd.DataFrame({"_line": chunk.lines})
+        for column in (spec.time_col, spec.prompt_col, spec.output_col):
+            if column:
+                checks.append(_Check("missing_value", column, chunk.raw[column].isna().to_numpy()))
         if spec.time_col:
-            out["_t"], bad_time = _parse_times(raw[spec.time_col], spec.time_unit)
-            checks.append(_Check("bad_timestamp", spec.time_col, bad_time))
-        lengths = {c: _numbers(raw[c]) for c in (spec.prompt_col, spec.output_col)}
+            checks.append(_Check("bad_timestamp", spec.time_col, parsed.bad_times))
         for column, values in lengths.items():
             whole = np.isfinite(values) & (np.floor(values) == values)
             checks.append(_Check("non_integer_length", column, ~whole))
@@ -88,27 +117,25 @@ class RowChecker:
             checks.append(_Check("failed_request", spec.output_col, lengths[spec.output_col] == 0))
         for column, values in lengths.items():
             checks.append(_Check("zero_length", column, values == 0))
-        if spec.hash_col:
-            hashes = [parse_hashes(v, spec.hash_split) for v in raw[spec.hash_col]]
-            bad_hashes = np.fromiter((h is None for h in hashes), dtype=bool, count=len(raw))
-            checks.append(_Check("bad_prefix_hashes", spec.hash_col, bad_hashes))
-        code = np.full(len(raw), -1, dtype=np.int16)
-        for index, check in enumerate(checks):
-            code[check.bad & (code < 0)] = index
-        if self.strict and (code >= 0).any():
-            self._raise_first(chunk, checks, code)
-        reasons = np.array([check.reason for check in checks])
-        for reason in dict.fromkeys(reasons):
-            self.tally.add(reason, chunk.lines[np.isin(code, np.flatnonzero(reasons == reason))])
-        good = code < 0
-        out["prompt_tokens"] = lengths[spec.prompt_col]
-        out["output_tokens"] = lengths[spec.output_col]
-        out = out[good].astype({"prompt_tokens": np.int64, "output_tokens": np.int64})
-        if spec.hash_col:
-            kept = [h for h, ok in zip(hashes, good, strict=True) if ok]
-            out["prefix_group"] = pd.Series(self._groups(raw, good, kept), out.index, object)
-            out["prefix_hashes"] = pd.Series(kept, index=out.index, dtype=object)
-        return out.reset_index(drop=True)
+        if parsed.hashes is not None:
+            bad = np.array([h is None for h in parsed.hashes], dtype=bool)
+            checks.append(_Check("bad_prefix_hashes", spec.hash_col, bad))
+        return checks
+
+    def _good_rows(self, chunk: Chunk, parsed: _Parsed, good: np.ndarray) -> pd.DataFrame:
+        out = pd.DataFrame({"_line": chunk.lines[good]})
+        if parsed.times is not None:
+            out["_t"] = parsed.times[good]
+        for name, column in (
+            ("prompt_tokens", self.spec.prompt_col),
+            ("output_tokens", self.spec.output_col),
+        ):
+            out[name] = parsed.lengths[column][good].astype(np.int64)
+        if parsed.hashes is not None:
+            kept = [h for h, ok in zip(parsed.hashes, good, strict=True) if ok]
+            out["prefix_group"] = pd.Series(self._groups(chunk.raw, good, kept), dtype=object)
+            out["prefix_hashes"] = pd.Series(kept, dtype=object)
+        return out
 
     def _groups(self, raw: pd.DataFrame, good: np.ndarray, kept: list[list[int]]) -> list:
         if self.spec.group_col:
@@ -118,7 +145,11 @@ class RowChecker:
         return [str(h[0] // self.spec.hash_split) if h else None for h in kept]
 
     def _raise_first(self, chunk: Chunk, checks: list[_Check], code: np.ndarray) -> None:
-        row = int(np.argmax(code >= 0))
+        """Raise `TraceError` for the chunk's first row that is an input error."""
+        errors = np.isin(code, [i for i, c in enumerate(checks) if c.reason not in NOT_ERRORS])
+        if not errors.any():
+            return
+        row = int(np.argmax(errors))
         check = checks[code[row]]
         where = f"{self.path}, line {chunk.lines[row]}"
         if check.column is None:

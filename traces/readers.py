@@ -17,7 +17,7 @@ import pandas as pd
 
 from blocktune.traces.schema import TraceError
 
-__all__ = ["Chunk", "read_header", "iter_chunks"]
+__all__ = ["Chunk", "iter_chunks", "read_head", "read_header"]
 
 _HEAD_BYTES = 4096
 

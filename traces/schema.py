@@ -19,6 +19,7 @@ from __future__ import annotations
 
 __all__ = [
     "CANONICAL_COLUMNS",
+    "NOT_ERRORS",
     "PREFIX_BLOCK_TOKENS",
     "PREFIX_COLUMNS",
     "REASONS",
@@ -42,6 +43,9 @@ REASONS = {
     "bad_prefix_hashes": "prefix hashes are not a list of integers",
 }
 """Why a row is skipped, in the order rows are checked: a row counts under its first reason."""
+
+NOT_ERRORS = frozenset({"failed_request"})
+"""Reasons that describe the request, not the file: dropped and counted even in strict mode."""
 
 
 class TraceError(ValueError):
