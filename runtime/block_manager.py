@@ -7,9 +7,12 @@ them.
 Allocation policy (DESIGN.md key idea 1): a sequence's next block is the block
 right after its last one when that block is free (so consecutive blocks tend to
 form aligned buddy runs that a later grow of the block size keeps without a
-copy), otherwise the most recently freed block. A freed sequence returns its
-blocks last-to-first, so the next sequence to allocate starts on its first
-block and walks the same run again.
+copy), otherwise the most recently freed block. With `align=G > 1` (the engine
+passes the largest candidate block size over the current one) that fallback
+prefers the most recently freed block whose id is congruent to the sequence's
+logical block index modulo G, so runs start aligned and stay aligned after a
+jump. A freed sequence returns its blocks last-to-first, so the next sequence to
+allocate starts on its first block and walks the same run again.
 
 With prefix caching, a full block is identified by a chained key (the parent
 block's hash and the block's token ids). Blocks whose refcount drops to zero
@@ -20,7 +23,7 @@ them; the least recently released one is evicted first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -76,12 +79,81 @@ def _is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
 
+class _FreeBlocks:
+    """Free block ids in release order, also grouped by `id % align`, all operations O(1).
+
+    Dicts serve as ordered sets: `popitem()` gives the most recently added id.
+    """
+
+    def __init__(self, align: int) -> None:
+        self.align = align
+        self._all: dict[int, None] = {}
+        self._by_residue: list[dict[int, None]] = [{} for _ in range(align)] if align > 1 else []
+
+    def __eq__(self, other: object) -> bool:
+        """Same blocks in the same release order."""
+        return isinstance(other, _FreeBlocks) and list(self._all) == list(other._all)
+
+    __hash__ = None  # mutable
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._all
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._all)
+
+    def add(self, block: int) -> None:
+        self._all[block] = None
+        if self._by_residue:
+            self._by_residue[block % self.align][block] = None
+
+    def extend(self, blocks: Iterable[int]) -> None:
+        """Add many blocks, in release order (the last one comes out first)."""
+        blocks = list(blocks)
+        self._all.update(dict.fromkeys(blocks))
+        by_residue, align = self._by_residue, self.align
+        if by_residue:
+            for block in blocks:
+                by_residue[block % align][block] = None
+
+    def remove(self, block: int) -> None:
+        del self._all[block]
+        if self._by_residue:
+            del self._by_residue[block % self.align][block]
+
+    def pop(self, residue: int | None = None) -> int:
+        """The most recently freed block, preferring one whose id % align == residue."""
+        if residue is not None and self._by_residue and self._by_residue[residue % self.align]:
+            block = self._by_residue[residue % self.align].popitem()[0]
+            del self._all[block]
+            return block
+        block = self._all.popitem()[0]
+        if self._by_residue:
+            del self._by_residue[block % self.align][block]
+        return block
+
+    def check(self) -> None:
+        if self._by_residue:
+            assert sum(len(d) for d in self._by_residue) == len(self._all)
+            assert all(b % self.align == r for r, d in enumerate(self._by_residue) for b in d)
+
+
 class BlockManager:
     """Allocates fixed-size KV blocks to sequences: sharing, copy-on-write, a prefix cache."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = False,
+        align: int = 1,
     ) -> None:
+        if not isinstance(align, int) or not _is_power_of_two(align):
+            raise InvalidSize(f"align must be a positive power of two, got {align!r}")
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise InvalidSize(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if not isinstance(block_size, int) or not _is_power_of_two(block_size):
@@ -90,9 +162,8 @@ class BlockManager:
         self._block_size = block_size
         self._prefix_caching = enable_prefix_caching
         self._refcount = [0] * num_blocks
-        # Free blocks in a dict used as an ordered set: popitem() gives the most recently
-        # freed block, `del` removes any block in O(1). Filled so that block 0 comes first.
-        self._free: dict[int, None] = dict.fromkeys(range(num_blocks - 1, -1, -1))
+        self._free = _FreeBlocks(align)
+        self._free.extend(range(num_blocks - 1, -1, -1))  # block 0 comes out first
         # Released blocks that still hold a cached full block, least recently released first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cache: dict[CacheKey, int] = {}
@@ -108,6 +179,7 @@ class BlockManager:
         sequences: Mapping[object, tuple[Sequence[int], Sequence[int]]],
         *,
         enable_prefix_caching: bool = False,
+        align: int = 1,
     ) -> BlockManager:
         """A manager whose sequences hold exactly the given blocks.
 
@@ -116,8 +188,10 @@ class BlockManager:
         with prefix caching, full blocks are keyed from the tokens. This is how a
         block-size swap builds the state at the new size.
         """
-        manager = cls(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        manager._free.clear()
+        manager = cls(
+            num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, align=align
+        )
+        manager._free = _FreeBlocks(align)
         for seq_id, (block_ids, token_ids) in sequences.items():
             blocks, tokens = list(block_ids), list(token_ids)
             if len(blocks) != -(-len(tokens) // block_size):
@@ -135,9 +209,8 @@ class BlockManager:
                     seq.tail_tokens = tokens[start : start + block_size]
                     manager._seal(seq, blocks[start // block_size])
                 seq.tail_tokens = tokens[full:]
-        manager._free.update(
-            dict.fromkeys(b for b in range(num_blocks - 1, -1, -1) if manager._refcount[b] == 0)
-        )
+        refcount = manager._refcount
+        manager._free.extend(b for b in range(num_blocks - 1, -1, -1) if refcount[b] == 0)
         return manager
 
     # ------------------------------------------------------------------ properties
@@ -233,7 +306,7 @@ class BlockManager:
             return False
         if tail_shared:
             src = seq.blocks[-1]
-            dst = self._take_block(after=None)
+            dst = self._take_block(after=None, index=len(seq.blocks) - 1)
             self._refcount[src] -= 1
             self._refcount[dst] = 1
             seq.blocks[-1] = dst
@@ -267,7 +340,7 @@ class BlockManager:
             if self._block_key[block] is not None:
                 self._evictable[block] = None
             else:
-                self._free[block] = None
+                self._free.add(block)
 
     @contextmanager
     def lease(self, seq_id: object, token_ids: Sequence[int]) -> Iterator[list[int] | None]:
@@ -296,6 +369,7 @@ class BlockManager:
                 references[block] += 1
         assert references == self._refcount, "refcounts differ from block-list references"
         referenced = {b for b, count in enumerate(references) if count > 0}
+        self._free.check()
         free, evictable = set(self._free), set(self._evictable)
         assert not free & referenced, f"blocks both free and owned: {sorted(free & referenced)}"
         assert not evictable & referenced, "evictable blocks are still referenced"
@@ -317,14 +391,15 @@ class BlockManager:
         except KeyError:
             raise UnknownSequence(f"unknown sequence {seq_id!r}") from None
 
-    def _take_block(self, after: int | None) -> int:
-        """A fresh block: the one after `after` if free, else the most recently freed one,
-        else the least recently released cached block (its cache entry is dropped)."""
+    def _take_block(self, after: int | None, index: int) -> int:
+        """A fresh block for a sequence's logical block `index`: the block after `after` if
+        free, else the most recently freed one (with `align`, preferring an id congruent to
+        `index`), else the least recently released cached block (its cache entry is dropped)."""
         if after is not None and after + 1 in self._free:
-            del self._free[after + 1]
+            self._free.remove(after + 1)
             return after + 1
         if self._free:
-            return self._free.popitem()[0]
+            return self._free.pop(index)
         block, _ = self._evictable.popitem(last=False)
         key = self._block_key[block]
         del self._cache[key]
@@ -337,7 +412,9 @@ class BlockManager:
         pos = 0
         while pos < len(tokens):
             if seq.num_tokens % size == 0:
-                block = self._take_block(after=seq.blocks[-1] if seq.blocks else None)
+                block = self._take_block(
+                    after=seq.blocks[-1] if seq.blocks else None, index=len(seq.blocks)
+                )
                 self._refcount[block] = 1
                 seq.blocks.append(block)
             take = min(size - seq.num_tokens % size, len(tokens) - pos)

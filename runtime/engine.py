@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blocktune.kernels.cache_ops import copy_blocks
+from blocktune.kernels.cache_ops import copy_blocks, warmup_cache_ops
+from blocktune.kernels.paged_attention import warmup
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.runtime.block_table import BlockTable
 from blocktune.runtime.hot_swap import (
@@ -176,6 +177,7 @@ class Engine:
             num_slots // config.block_size,
             config.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            align=self._align(config.block_size),
         )
         self.table = BlockTable(
             config.max_num_seqs,
@@ -197,11 +199,16 @@ class Engine:
         # Test seam: called with "copy" and "table" during a swap's prepare phase.
         self.swap_fault_hook: Callable[[str], None] | None = None
         if config.attention_backend == "triton":
-            from blocktune.kernels.paged_attention import warmup
-
+            # Compile every kernel a swap may need now, never in the middle of serving.
             warmup(
                 config.candidate_block_sizes,
                 num_heads=mc.num_heads,
+                num_kv_heads=mc.num_kv_heads,
+                head_dim=mc.head_dim,
+                dtype=model.dtype,
+                device=model.device,
+            )
+            warmup_cache_ops(
                 num_kv_heads=mc.num_kv_heads,
                 head_dim=mc.head_dim,
                 dtype=model.dtype,
@@ -380,6 +387,10 @@ class Engine:
         return [self._accept(r, t) for r, t in zip(batch, tokens, strict=True)]
 
     # ------------------------------------------------------------------ block-size swaps
+    def _align(self, block_size: int) -> int:
+        """Allocation alignment that keeps runs whole for a grow to the largest candidate."""
+        return max(1, max(self.config.candidate_block_sizes) // block_size)
+
     def request_block_size(self, new_block_size: int) -> SwapTicket:
         """Ask for a block-size change at the next step boundary (thread-safe)."""
         ticket = SwapTicket(new_block_size)
@@ -428,6 +439,7 @@ class Engine:
                 max_model_len=self.config.max_model_len,
                 backend=self.config.attention_backend,
                 staging_budget_bytes=self.config.swap_staging_bytes,
+                align=self._align(new_size),
                 fault_hook=self.swap_fault_hook,
             )
         except SwapRejected as error:

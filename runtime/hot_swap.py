@@ -160,7 +160,7 @@ def _grow_plan(
     copies = []
     for group, j in zip(moved, destinations, strict=False):
         target[group] = j
-        copies += [(src, j * factor + i) for i, src in enumerate(group)]
+        copies += [(src, j * factor + i) for i, src in enumerate(group) if src != j * factor + i]
     layouts = {seq: [target[g] for g in groups] for seq, groups in groups_of.items()}
     return SwapPlan(
         old_size, new_size, layouts, copies, staged, len(unique_groups) - len(moved), len(moved)
@@ -220,13 +220,15 @@ def prepare_swap(
     max_model_len: int,
     backend: str,
     staging_budget_bytes: int = 0,
+    align: int = 1,
     fault_hook: Callable[[str], None] | None = None,
 ) -> PreparedSwap:
     """Plan, copy into free slots (or stage), and build the new manager and table.
 
     `tokens` gives each sequence's tokens that hold KV; `rows` its block-table
-    row. `fault_hook(phase)` is called at "copy" and "table" (tests inject
-    failures there). Raises `SwapRejected` when the swap cannot be done.
+    row; `align` is the new manager's allocation alignment (see BlockManager).
+    `fault_hook(phase)` is called at "copy" and "table" (tests inject failures
+    there). Raises `SwapRejected` when the swap cannot be done.
     """
     hook = fault_hook or (lambda phase: None)
     slot_bytes = kv.nbytes // kv.num_slots
@@ -248,6 +250,7 @@ def prepare_swap(
         new_block_size,
         {seq: (plan.layouts[seq], tokens[seq]) for seq in manager.sequences()},
         enable_prefix_caching=manager.enable_prefix_caching,
+        align=align,
     )
     new_table = BlockTable(
         table.max_seqs, -(-max_model_len // new_block_size), new_block_size, table.device

@@ -47,6 +47,14 @@ def read_prompts(path: Path) -> list[dict]:
     return requests
 
 
+def parse_swap(text: str) -> tuple[int, int]:
+    """`STEP:BLOCK_SIZE` -> (step, block size)."""
+    step, sep, size = text.partition(":")
+    if not sep or not step.isdigit() or not size.isdigit():
+        raise argparse.ArgumentTypeError(f"expected STEP:BLOCK_SIZE such as 5:32, got {text!r}")
+    return int(step), int(size)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Generate completions for every prompt in the file and print them."""
     import torch
@@ -65,6 +73,9 @@ def run_generate(args: argparse.Namespace) -> int:
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len,
                 attention_backend=args.backend,
+                candidate_block_sizes=tuple(
+                    sorted({args.block_size, 8, 16, 32, 64, 128} | {b for _, b in args.swap_at})
+                ),
             ),
         )
     except (PromptFileError, ModelLoadError, ValueError) as error:
@@ -84,8 +95,12 @@ def run_generate(args: argparse.Namespace) -> int:
             print(f"blocktune generate: {args.prompts}:{request['line']}: {error}", file=sys.stderr)
             return 2
     final = {}
+    swaps = sorted(args.swap_at)
+    tickets = []
     with torch.inference_mode():
         while engine.has_unfinished():
+            while swaps and swaps[0][0] <= engine.steps:
+                tickets.append(engine.request_block_size(swaps.pop(0)[1]))
             for output in engine.step():
                 if output.finished:
                     final[output.request_id] = output
@@ -97,13 +112,23 @@ def run_generate(args: argparse.Namespace) -> int:
         }
         for request, i in zip(requests, ids, strict=True)
     ]
+    swap_results = [t.result(0).to_dict() for t in tickets if t.done()]
     if args.json:
-        print(json.dumps({"outputs": outputs, "stats": engine.stats()}))
+        report = {"outputs": outputs, "stats": engine.stats()}
+        if args.swap_at:
+            report["swaps"] = swap_results
+        print(json.dumps(report))
     else:
         for number, output in enumerate(outputs):
             print(
                 f"[{number}] {len(output['prompt_ids'])} prompt tokens -> "
                 f"{output['token_ids']} ({output['finish_reason']})"
+            )
+        for swap in swap_results:
+            print(
+                f"swap {swap['old_block_size']} -> {swap['new_block_size']}: {swap['status']}, "
+                f"{swap['bytes_moved']} bytes moved, pause {swap['pause_s'] * 1e3:.2f} ms"
+                + (f" ({swap['reason']})" if swap["reason"] else "")
             )
         print("stats:", ", ".join(f"{k}={v}" for k, v in engine.stats().items()))
     return 0
@@ -130,5 +155,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV pool size in blocks")
     parser.add_argument("--max-num-seqs", type=int, default=32, help="batch rows")
     parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument(
+        "--swap-at",
+        type=parse_swap,
+        action="append",
+        default=[],
+        metavar="STEP:BLOCK_SIZE",
+        help="change the block size before engine step STEP (repeatable), e.g. 5:32",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run_generate)
