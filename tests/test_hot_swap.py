@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from blocktune.kernels.cache_ops import copy_blocks
+from blocktune.kernels.paged_attention import KernelInputError, require_triton
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.runtime.block_table import BlockTable
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
@@ -306,3 +307,18 @@ def test_swap_waits_for_the_step_boundary(model):
     assert not ticket.done() and engine.block_size == 8
     engine.step()
     assert ticket.result(0).status == "done" and engine.block_size == 16
+
+
+def test_triton_backend_serves_and_swaps_with_identical_tokens(model):
+    """The Triton kernels (interpreted on a CPU) give the torch backend's tokens across swaps."""
+    pytest.importorskip("triton")
+    try:
+        require_triton("cpu")
+    except KernelInputError as error:  # not interpreted: Triton cannot run on this CPU
+        pytest.skip(str(error))
+    prompts = _prompts(3, seed=5, high=20)
+    expected, _, _ = _serve(model, prompts, max_tokens=6)
+    config = {"attention_backend": "triton", "candidate_block_sizes": (8, 16, 32)}
+    tokens, results, _ = _serve(model, prompts, swaps={2: 32, 4: 8}, max_tokens=6, **config)
+    assert tokens == expected
+    assert [r.status for r in results] == ["done", "done"]
