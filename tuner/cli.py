@@ -20,6 +20,9 @@ COMMAND_MODULES = (
     "blocktune.tuner.demo",
     "blocktune.tuner.generate_cmd",
     "blocktune.tuner.trace_cmd",
+    "blocktune.tuner.recommend",
+    "blocktune.tuner.policy_cli",
+    "blocktune.tuner.calibrate_cli",
 )
 
 
