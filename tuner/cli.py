@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "blocktune.tuner.recommend",
     "blocktune.tuner.policy_cli",
     "blocktune.tuner.calibrate_cli",
+    "blocktune.tuner.worker_cmd",
 )
 
 

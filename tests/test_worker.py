@@ -1,0 +1,169 @@
+"""The engine as an HTTP worker: real uvicorn on loopback, real HTTP."""
+
+import concurrent.futures
+import random
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from blocktune.runtime.engine import Engine, EngineConfig, FinishedRequest, SamplingParams
+from blocktune.runtime.model import load_model
+from blocktune.tuner.worker import EngineLoop, LengthPusher, create_worker_app
+
+TOKEN = "s3cret-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-random", seed=0)
+
+
+def _engine(model, **config):
+    return Engine(model, EngineConfig(**{"block_size": 8, "num_blocks": 256, **config}))
+
+
+@pytest.fixture
+def worker(model, live_server):
+    loop = EngineLoop(_engine(model))
+    loop.start()
+    with live_server(create_worker_app(loop, token=TOKEN)) as url:
+        yield url, loop
+    loop.stop()
+
+
+def _prompts(count, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(3, 40))] for _ in range(count)]
+
+
+def test_concurrent_completions_match_the_engine_and_swaps_keep_them(model, worker):
+    url, loop = worker
+    prompts = _prompts(12, seed=1)
+    expected = [
+        o.token_ids for o in _engine(model).generate(prompts, SamplingParams(max_tokens=12))
+    ]
+
+    def complete(prompt):
+        body = {"prompt_ids": prompt, "max_tokens": 12, "temperature": 0}
+        return httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(complete, p) for p in prompts]
+        swaps = [
+            httpx.post(f"{url}/admin/block-size", json={"block_size": b}, headers=AUTH, timeout=60)
+            for b in (32, 16)
+        ]
+        results = [f.result() for f in futures]
+    assert [r["token_ids"] for r in results] == expected
+    assert all(r["finish_reason"] == "length" for r in results)
+    assert results[0]["usage"] == {"prompt_tokens": len(prompts[0]), "completion_tokens": 12}
+    assert [s.json()["status"] for s in swaps] == ["done", "done"]
+    state = httpx.get(f"{url}/admin/state").json()
+    assert state["block_size"] == 16 and state["running"] == 0
+    assert state["blocks_used"] == 0 and state["completed"] == 12
+    assert [h["new_block_size"] for h in state["swap_history"]] == [32, 16]
+    loop.check()
+
+
+def test_admin_needs_the_token_and_impossible_swaps_change_nothing(worker):
+    url, _ = worker
+    assert httpx.post(f"{url}/admin/block-size", json={"block_size": 32}).status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    response = httpx.post(f"{url}/admin/block-size", json={"block_size": 32}, headers=wrong)
+    assert response.status_code == 401
+    response = httpx.post(f"{url}/admin/block-size", json={"block_size": 12}, headers=AUTH)
+    assert response.status_code == 200
+    assert response.json()["status"] == "rejected"
+    assert "not a candidate" in response.json()["reason"]
+    assert httpx.get(f"{url}/admin/state").json()["block_size"] == 8
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"prompt_ids": [], "max_tokens": 4}, 400, "empty"),
+        ({"prompt_ids": [1, 999], "max_tokens": 4}, 400, "token id 999"),
+        ({"prompt_ids": list(range(200)) * 11, "max_tokens": 4}, 400, "max_model_len"),
+        ({"prompt_ids": [1], "max_tokens": 0}, 422, "max_tokens"),
+        ({"prompt_ids": [1], "prompt": "hi"}, 422, "exactly one"),
+        ({"prompt_ids": [1], "bogus": 1}, 422, "bogus"),
+    ],
+)
+def test_bad_requests_get_4xx_and_the_worker_keeps_serving(worker, body, status, needle):
+    url, _ = worker
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == status
+    assert needle in response.text
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["token_ids"]) == 3
+
+
+def test_oversized_body_is_refused(worker):
+    url, _ = worker
+    response = httpx.post(
+        f"{url}/v1/completions",
+        content=b'{"prompt_ids": [' + b"1," * 600_000 + b"1]}",
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 413
+
+
+def test_disconnected_client_frees_its_blocks(worker):
+    url, loop = worker
+    body = {"prompt_ids": [1, 2, 3], "max_tokens": 1500}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+    for _ in range(100):
+        state = loop.state()
+        if state["cancelled"] == 1:
+            break
+        time.sleep(0.05)
+    assert state["cancelled"] == 1 and state["running"] == 0 and state["blocks_used"] == 0
+    loop.check()
+
+
+def test_metrics_expose_engine_gauges(worker):
+    url, _ = worker
+    httpx.post(f"{url}/v1/completions", json={"prompt_ids": [5, 6], "max_tokens": 2}, timeout=30)
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    assert families["blocktune_worker_block_size"].samples[0].value == 8
+    assert families["blocktune_worker_completed"].samples[0].value == 1
+    assert {s.labels["status"] for s in families["blocktune_worker_swaps"].samples} == {
+        "done",
+        "rejected",
+        "rolled_back",
+    }
+    assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
+
+
+def test_length_pusher_batches_retries_and_bounds_its_backlog(live_server):
+    from fastapi import FastAPI
+
+    received = []
+    app = FastAPI()
+
+    @app.post("/v1/observations")
+    async def observations(items: list[dict]) -> dict:
+        received.extend(items)
+        return {"accepted": len(items)}
+
+    record = FinishedRequest(0, 10, 5, 0.0, 1.0, "length")
+    down = LengthPusher("http://127.0.0.1:9", max_backlog=3, flush_interval_s=0.01)
+    for _ in range(5):
+        down.observe(record)
+    assert down.backlog() == 3 and down.dropped == 2
+    with live_server(app) as url:
+        pusher = LengthPusher(url, batch_size=4, flush_interval_s=0.02)
+        pusher.start()
+        for _ in range(10):
+            pusher.observe(record)
+        for _ in range(200):
+            if len(received) == 10:
+                break
+            time.sleep(0.02)
+        pusher.stop()
+    assert len(received) == 10 and pusher.sent == 10 and pusher.backlog() == 0
+    assert received[0]["prompt_tokens"] == 10 and received[0]["output_tokens"] == 5
