@@ -108,6 +108,7 @@ def measure_kernel(grid: Grid, device: str, backend: str) -> dict[int, KernelCoe
     dtype = getattr(torch, grid.dtype)
     timed = _timer(device)
     gen = torch.Generator(device="cpu").manual_seed(0)
+    torch.manual_seed(0)
     warmup(
         grid.block_sizes,
         num_heads=grid.num_heads,
@@ -126,10 +127,10 @@ def measure_kernel(grid: Grid, device: str, backend: str) -> dict[int, KernelCoe
                 num_blocks = batch * per_seq
                 table = torch.randperm(num_blocks, generator=gen).view(batch, per_seq)
                 slots = (num_blocks * block_size, grid.num_kv_heads, grid.head_dim)
-                key = torch.randn(slots, generator=gen).to(device=device, dtype=dtype)
-                value = torch.randn(slots, generator=gen).to(device=device, dtype=dtype)
-                query = torch.randn((batch, grid.num_heads, grid.head_dim), generator=gen)
-                query = query.to(device=device, dtype=dtype)
+                key = torch.randn(slots, device=device, dtype=dtype)
+                value = torch.randn(slots, device=device, dtype=dtype)
+                query = torch.randn((batch, grid.num_heads, grid.head_dim), device=device)
+                query = query.to(dtype)
                 table = table.to(device=device, dtype=torch.int32)
                 lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
 

@@ -41,21 +41,22 @@ def format_location(loc: Sequence[str | int]) -> str:
 
 
 def _line_of(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
-    """The 1-based line of the deepest node of `loc` present in the YAML node tree."""
+    """The 1-based line of the deepest key (or list item) of `loc` present in the YAML tree."""
     line = None if node is None else node.start_mark.line + 1
     for part in loc:
-        child = None
         if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                if str(key.value) == str(part):
-                    # An unknown key is reported at the key itself, a bad value at the value.
-                    child = value if value.start_mark.line == key.start_mark.line else key
-                    break
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part >= 0:
-            child = node.value[part] if part < len(node.value) else None
-        if child is None:
+            found = [(k, v) for k, v in node.value if str(k.value) == str(part)]
+            if not found:
+                break
+            key, node = found[0]
+            line = key.start_mark.line + 1
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+            if not 0 <= part < len(node.value):
+                break
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
             break
-        node, line = child, child.start_mark.line + 1
     return line
 
 
@@ -63,7 +64,9 @@ def _message(error: dict[str, Any]) -> str:
     value_error = error["type"] == "value_error"
     message = str(error["ctx"]["error"]) if value_error else error["msg"]
     value = error.get("input")
-    if error["type"] != "missing" and isinstance(value, str | int | float | bool):
+    # Our own validators name the value in their message already.
+    named = value_error or error["type"] == "missing"
+    if not named and isinstance(value, str | int | float | bool):
         message += f" (got {value!r})"
     return message
 

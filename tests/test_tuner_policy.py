@@ -1,0 +1,165 @@
+"""Policy files: units, every error with its file, line and key path, unknown keys, the CLI."""
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from blocktune.tuner.cli import main
+from blocktune.tuner.policy import load_policy, parse_duration
+from blocktune.tuner.yaml_config import ConfigError
+
+POLICIES = Path(__file__).resolve().parents[1] / "policies"
+
+GOOD = """\
+deployment: test
+model:
+  num_layers: 32
+  num_heads: 32
+  num_kv_heads: 8
+  head_dim: 128
+  dtype: bfloat16
+  num_params: 8.03e9
+kv_budget: 40GiB
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "policy.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_bundled_policies_load():
+    for name in ("default.yaml", "customer_service_llama8b.yaml", "long_document.yaml"):
+        policy = load_policy(POLICIES / name)
+        assert policy.model.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
+    default = load_policy(POLICIES / "default.yaml")
+    assert default.kv_budget == 4 * 2**30
+    assert default.candidates == (8, 16, 32, 64, 128)
+    assert default.interval == timedelta(minutes=5)
+    assert default.window.capacity == 1000 and default.calibration == "default"
+
+
+def test_defaults_and_units(tmp_path):
+    policy = load_policy(write(tmp_path, GOOD))
+    assert policy.kv_budget == 40 * 2**30
+    assert policy.candidates == (8, 16, 32, 64, 128)
+    assert policy.window.capacity == 1000
+    assert policy.interval.total_seconds() == 300
+    assert policy.mode == "recommend" and policy.calibration == "default"
+    assert policy.model.weight_bytes == pytest.approx(8.03e9 * 2)
+    extra = GOOD.replace("kv_budget: 40GiB", "kv_budget: 40GB") + (
+        "candidates: [64, 16, 32]\ninterval: 1h30m\nmin_dwell: 250ms\nsafety_factor: 1.5\n"
+    )
+    policy = load_policy(write(tmp_path, extra))
+    assert policy.kv_budget == 40 * 10**9
+    assert policy.candidates == (16, 32, 64)
+    assert policy.interval.total_seconds() == 5400
+    assert policy.min_dwell.total_seconds() == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("5m", 300), ("30s", 30), ("1h30m", 5400), ("2d", 172800), ("0.5s", 0.5), (90, 90)],
+)
+def test_durations(text, seconds):
+    assert parse_duration(text).total_seconds() == pytest.approx(seconds)
+
+
+def test_every_bad_field_is_reported_with_file_line_and_path(tmp_path):
+    text = """\
+deployment: test
+model:
+  num_layers: 32
+  num_kv_heads: 8
+  head_dim: -4
+  dtype: int4
+  num_params: 8.03e9
+kv_budget: 40 parsecs
+candidates: [8, 12, 16]
+window:
+  capacity: 0
+interval: 5 minutes
+mode: auto
+"""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_policy(path)
+    problems = caught.value.problems
+    expected = {
+        "model.num_heads": 2,  # missing: reported at its mapping
+        "model.head_dim": 5,
+        "model.dtype": 6,
+        "kv_budget": 8,
+        "candidates[1]": 9,
+        "window.capacity": 11,
+        "interval": 12,
+        "mode": 13,
+    }
+    assert len(problems) == len(expected)
+    for key, line in expected.items():
+        matching = [p for p in problems if f": {key}: " in p]
+        assert len(matching) == 1, (key, problems)
+        assert matching[0].startswith(f"{path}:{line}: ")
+    assert "powers of two, got 12" in next(p for p in problems if "candidates[1]" in p)
+    assert "'5 minutes'" in next(p for p in problems if ": interval: " in p)
+
+
+def test_unknown_keys_are_rejected_wherever_they_are(tmp_path):
+    text = GOOD + "window:\n  capacity: 100\n  size: 5\nsources: [a]\n"
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_policy(path)
+    problems = caught.value.problems
+    assert any(p.startswith(f"{path}:12: window.size: Extra inputs") for p in problems)
+    assert any(p.startswith(f"{path}:13: sources: Extra inputs") for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (("num_kv_heads: 8", "num_kv_heads: 5"), "multiple of num_kv_heads"),
+        (("kv_budget: 40GiB", "kv_budget: 1MiB"), "holds no block"),
+        (("kv_budget: 40GiB", "kv_budget: 40GiB\nwindow: {capacity: 10, min_samples: 20}"), "20"),
+        (("kv_budget: 40GiB", "kv_budget: 40GiB\ncandidates: [16, 16]"), "listed twice"),
+        (("kv_budget: 40GiB", "kv_budget: 40GiB\ninterval: 0s"), "longer than zero"),
+    ],
+)
+def test_cross_field_checks(tmp_path, change, message):
+    with pytest.raises(ConfigError, match=message):
+        load_policy(write(tmp_path, GOOD.replace(*change)))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("", "got empty"), ("- a\n- b\n", "got a list"), ("deployment: [unclosed\n", ":2: not valid")],
+)
+def test_files_that_are_not_a_mapping(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_policy(write(tmp_path, text))
+
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml: cannot read"):
+        load_policy(tmp_path / "nope.yaml")
+
+
+def test_policies_are_frozen(tmp_path):
+    policy = load_policy(write(tmp_path, GOOD))
+    with pytest.raises(ValidationError):
+        policy.kv_budget = 1
+
+
+def test_policy_check_command(tmp_path, capsys):
+    assert main(["policy", "check", str(POLICIES / "default.yaml")]) == 0
+    assert capsys.readouterr().out.strip().endswith("default.yaml: ok")
+    bad = write(tmp_path, GOOD.replace("dtype: bfloat16", "dtype: int4") + "mode: auto\n")
+    uncovered = write(
+        tmp_path, GOOD + "candidates: [4, 8]\n", name="uncovered.yaml"
+    )  # the default calibration starts at 8
+    assert main(["policy", "check", str(bad), str(uncovered)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(": ")[1] for line in out] == ["model.dtype", "mode", "candidates"]
+    assert "block sizes [4]" in out[2]
