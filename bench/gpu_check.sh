@@ -28,7 +28,7 @@ step() {  # step NAME TIMEOUT COMMAND... : run, log to $out/NAME.log, remember f
 }
 
 step device 30 bash -c "nvidia-smi -L; $py -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, torch.cuda.get_device_name())'"
-step kernel_tests 240 "$py" -m pytest -q -p no:cacheprovider "$repo/tests/test_kernels.py"
+step kernel_tests 240 "$py" -m pytest -q -p no:cacheprovider --noconftest "$repo/tests/test_kernels.py"
 step kernels 300 "$py" "$repo/bench/gpu_kernels.py" --out "$out/kernels.csv"
 if [ -f "$trace" ]; then
     step hot_swap 240 "$py" "$repo/bench/hot_swap.py" --device cuda --trace "$trace" --sizes-mb 64 256 1024 4096
