@@ -1,0 +1,84 @@
+"""Decode attention time per block size on the torch backend, against dense attention.
+
+For each block size, a batch of sequences whose KV blocks sit in shuffled order
+in the pool is decoded through `paged_attention(backend="torch")` (gather
+through the block table, then softmax attention), and the same tokens are
+attended with dense attention over contiguous K/V. The ratio is the cost of
+paging on this machine, measured in one run (a benchmark, not a test).
+
+    python bench/decode.py [--batch 16] [--context 1024] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from blocktune.kernels.paged_attention import paged_attention
+
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [S, H, D] against contiguous k, v [S, KVH, T, D] with torch's fused attention."""
+    out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
+    return out[:, :, 0]
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    args = parser.parse_args()
+    generator = torch.Generator().manual_seed(0)
+    tokens = args.batch * args.context
+    k_dense = torch.randn(args.batch, args.context, KV_HEADS, HEAD_DIM, generator=generator)
+    v_dense = torch.randn(args.batch, args.context, KV_HEADS, HEAD_DIM, generator=generator)
+    q = torch.randn(args.batch, HEADS, HEAD_DIM, generator=generator)
+    # Dense attention gets K/V already laid out as it wants them: [S, KVH, T, D].
+    k_heads = k_dense.transpose(1, 2).contiguous()
+    v_heads = v_dense.transpose(1, 2).contiguous()
+    dense_s = median_time(lambda: dense_attention(q, k_heads, v_heads), args.repeats)
+    print(
+        f"batch {args.batch} x context {args.context}, {HEADS} heads / {KV_HEADS} KV heads, "
+        f"head_dim {HEAD_DIM}, fp32, torch backend; dense attention {dense_s * 1e3:.2f} ms"
+    )
+    print(f"{'block':>5}  {'paged ms':>9}  {'paged/dense':>11}  {'max |diff|':>10}")
+    lens = torch.full((args.batch,), args.context, dtype=torch.int32)
+    for block_size in args.block_sizes:
+        per_seq = args.context // block_size
+        order = torch.randperm(tokens // block_size, generator=generator)
+        table = order.view(args.batch, per_seq).to(torch.int32)
+        # Scatter the dense K/V into the pool through the table: block j of sequence s
+        # lands in physical block table[s, j].
+        k_pool = torch.empty(tokens, KV_HEADS, HEAD_DIM)
+        v_pool = torch.empty_like(k_pool)
+        slots = (table.long()[:, :, None] * block_size + torch.arange(block_size)).reshape(-1)
+        k_pool[slots] = k_dense.reshape(tokens, KV_HEADS, HEAD_DIM)
+        v_pool[slots] = v_dense.reshape(tokens, KV_HEADS, HEAD_DIM)
+
+        def paged(table=table, k_pool=k_pool, v_pool=v_pool, block_size=block_size):
+            return paged_attention(q, k_pool, v_pool, table, lens, block_size=block_size)
+
+        paged_s = median_time(paged, args.repeats)
+        diff = (paged() - dense_attention(q, k_heads, v_heads)).abs().max().item()
+        print(f"{block_size:>5}  {paged_s * 1e3:>9.2f}  {paged_s / dense_s:>11.2f}  {diff:>10.1e}")
+
+
+if __name__ == "__main__":
+    main()
