@@ -22,6 +22,15 @@ Example::
     safety_factor: 2
     mode: recommend
     calibration: default
+    # the sidecar (`blocktune serve`); every section below is optional
+    sources:                  # where request lengths come from (several at once)
+      push: true              # POST /v1/observations
+      vllm_metrics: {url: "http://127.0.0.1:8000/metrics", interval: 15s}
+      jsonl_log: {path: requests.jsonl, prompt_field: usage.prompt_tokens,
+                  output_field: usage.completion_tokens}
+    server: {host: 127.0.0.1, port: 8787, state_file: blocktune-state.json}
+    auth: {token_env: BLOCKTUNE_TOKEN}      # bearer token of the mutating endpoints
+    actuator: {kind: none}    # or {kind: http, url: "http://127.0.0.1:8000"}: a worker
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import re
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -45,9 +55,15 @@ from blocktune.tuner.yaml_config import load_yaml_model
 
 __all__ = [
     "DTYPE_BYTES",
+    "ActuatorSettings",
+    "AuthSettings",
+    "JsonlLogSource",
     "ModelShape",
     "Policy",
     "Section",
+    "ServerSettings",
+    "Sources",
+    "VllmMetricsSource",
     "WindowSettings",
     "load_policy",
     "parse_duration",
@@ -103,11 +119,28 @@ def _distinct_sorted(values: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(sorted(values))
 
 
+def _http_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
+    return value
+
+
+def _field_path(value: str) -> str:
+    if not value or any(not part for part in value.split(".")):
+        raise ValueError(
+            f"expected a field name or a dotted path such as 'usage.prompt_tokens', got {value!r}"
+        )
+    return value
+
+
 Duration = Annotated[timedelta, BeforeValidator(parse_duration), AfterValidator(_positive_duration)]
 DwellDuration = Annotated[
     timedelta, BeforeValidator(parse_duration), AfterValidator(_non_negative_duration)
 ]
 BlockSize = Annotated[int, Field(strict=True), AfterValidator(_power_of_two)]
+HttpUrl = Annotated[str, AfterValidator(_http_url)]
+FieldPath = Annotated[str, AfterValidator(_field_path)]
 
 
 class Section(BaseModel):
@@ -170,6 +203,90 @@ class WindowSettings(Section):
         return self
 
 
+class VllmMetricsSource(Section):
+    """Scrape a vLLM server's Prometheus `/metrics` for its request-length histograms."""
+
+    url: HttpUrl
+    interval: Duration = timedelta(seconds=15)
+    timeout: Duration = timedelta(seconds=5)
+
+
+class JsonlLogSource(Section):
+    """Follow a JSONL request log (one finished request per line) through rotation.
+
+    Field names may be dotted paths into nested objects (`usage.prompt_tokens`);
+    a line without the timestamp or prefix field is observed now / without a group.
+    """
+
+    path: str = Field(min_length=1)
+    interval: Duration = timedelta(seconds=1)
+    prompt_field: FieldPath = "prompt_tokens"
+    output_field: FieldPath = "output_tokens"
+    timestamp_field: FieldPath | None = "timestamp"
+    prefix_field: FieldPath | None = "prefix_group"
+    start_at: Literal["end", "beginning"] = Field(
+        default="end", description="where to start in a file that exists at start-up"
+    )
+
+
+class Sources(Section):
+    """Where the sidecar's request lengths come from; several may be on at once."""
+
+    push: bool = Field(default=True, description="accept POST /v1/observations")
+    vllm_metrics: VllmMetricsSource | None = None
+    jsonl_log: JsonlLogSource | None = None
+
+    @model_validator(mode="after")
+    def _at_least_one(self) -> Sources:
+        if not self.push and self.vllm_metrics is None and self.jsonl_log is None:
+            raise ValueError(
+                "no source is on: set push: true or configure vllm_metrics or jsonl_log"
+            )
+        return self
+
+
+class ServerSettings(Section):
+    """Where `blocktune serve` listens, where it keeps its state, and the starting size."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8787, ge=1, le=65535)
+    state_file: str | None = Field(default=None, min_length=1)
+    initial_block_size: BlockSize | None = Field(
+        default=None,
+        description=(
+            "block size assumed in force until a source, the worker or the state file "
+            "reports one (default: 16, or the candidate nearest to it)"
+        ),
+    )
+
+
+class AuthSettings(Section):
+    """The environment variable holding the bearer token of the mutating endpoints."""
+
+    token_env: str | None = Field(default="BLOCKTUNE_TOKEN", min_length=1)
+
+
+class ActuatorSettings(Section):
+    """What applies a switch in `mode: enforce`: nothing, or a blocktune worker over HTTP."""
+
+    kind: Literal["none", "http"] = "none"
+    url: HttpUrl | None = Field(default=None, description="the worker's base URL")
+    token_env: str | None = Field(default="BLOCKTUNE_TOKEN", min_length=1)
+    timeout: Duration = Field(
+        default=timedelta(seconds=90), description="per attempt; a swap waits for a step"
+    )
+    retries: int = Field(default=3, ge=0, le=10, description="retries of a transient failure")
+    backoff: Duration = Field(default=timedelta(seconds=0.5), description="first retry delay")
+
+    @model_validator(mode="after")
+    def _url_for_http(self) -> ActuatorSettings:
+        if self.kind == "http" and self.url is None:
+            raise ValueError("kind: http needs the worker's url (e.g. http://127.0.0.1:8000)")
+        if self.kind == "none" and self.url is not None:
+            raise ValueError("url is set but kind is none: set kind: http to use the worker")
+        return self
+
+
 class Policy(Section):
     """One deployment's tuning policy (see the module docstring for the file format)."""
 
@@ -187,6 +304,10 @@ class Policy(Section):
     calibration: str = Field(
         default="default", min_length=1, description="'default' or a YAML path"
     )
+    sources: Sources = Sources()
+    server: ServerSettings = ServerSettings()
+    auth: AuthSettings = AuthSettings()
+    actuator: ActuatorSettings = ActuatorSettings()
 
     @model_validator(mode="after")
     def _budget_holds_a_block(self) -> Policy:
@@ -197,6 +318,29 @@ class Policy(Section):
                 f"candidate ({max(self.candidates)} tokens = {largest} bytes)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _sidecar_sections_agree(self) -> Policy:
+        initial = self.server.initial_block_size
+        if initial is not None and initial not in self.candidates:
+            raise ValueError(
+                f"server.initial_block_size {initial} is not among the candidates "
+                f"{list(self.candidates)}"
+            )
+        if self.actuator.kind == "http" and self.sources.vllm_metrics is not None:
+            raise ValueError(
+                "actuator kind http swaps a blocktune worker's block size, but the lengths come "
+                "from a vLLM server (sources.vllm_metrics), which fixes its block size at "
+                "start-up: use actuator kind none (recommendations)"
+            )
+        return self
+
+    @property
+    def starting_block_size(self) -> int:
+        """The block size assumed in force before anything reports one."""
+        if self.server.initial_block_size is not None:
+            return self.server.initial_block_size
+        return min(self.candidates, key=lambda b: (abs(b.bit_length() - 5), b))
 
     def calibration_path(self, base: Path) -> Path | None:
         """The calibration file (relative paths start at `base`), or None for the default."""
