@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "blocktune.tuner.policy_cli",
     "blocktune.tuner.calibrate_cli",
     "blocktune.tuner.worker_cmd",
+    "blocktune.tuner.serve_cmd",
 )
 
 
