@@ -25,6 +25,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from blocktune.tuner.yaml_config import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
     policy_path = Path(args.policy)
     try:
         policy = load_policy(policy_path)
