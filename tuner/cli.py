@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "blocktune.tuner.generate_cmd",
     "blocktune.tuner.trace_cmd",
     "blocktune.tuner.recommend",
+    "blocktune.tuner.replay_cmd",
     "blocktune.tuner.policy_cli",
     "blocktune.tuner.calibrate_cli",
     "blocktune.tuner.worker_cmd",
