@@ -83,35 +83,34 @@ def comparisons(report: ReplayReport) -> dict[str, float]:
 
 
 _COLUMNS = (
-    # title, unit, width, value
-    ("policy", "", 11, lambda r: r.policy),
-    ("B", "tokens", 7, lambda r: "-" if r.block_size is None else str(r.block_size)),
-    ("tok/s", "", 9, lambda r: f"{r.tokens_per_s:.1f}"),
-    ("TTFT p50", "s", 9, lambda r: f"{r.ttft_p50_s:.3f}"),
-    ("TTFT p99", "s", 9, lambda r: f"{r.ttft_p99_s:.3f}"),
-    ("TPOT p50", "ms", 9, lambda r: f"{r.tpot_p50_s * 1e3:.1f}"),
-    ("TPOT p99", "ms", 9, lambda r: f"{r.tpot_p99_s * 1e3:.1f}"),
-    ("e2e p99", "s", 9, lambda r: f"{r.e2e_p99_s:.2f}"),
-    ("peak KV", "", 11, lambda r: format_bytes(r.peak_kv_bytes)),
-    ("mean KV", "", 11, lambda r: format_bytes(r.mean_kv_bytes)),
-    ("padding", "", 8, lambda r: f"{r.padding_ratio:.1%}"),
-    ("preempt", "", 8, lambda r: str(r.preemptions)),
-    ("swaps", "", 6, lambda r: str(r.swaps)),
-    ("objective", "us/tok", 10, lambda r: f"{r.objective * 1e6:.3f}"),
-    ("replay", "s", 7, lambda r: f"{r.replay_s:.2f}"),
+    # title, unit, value; every column is as wide as its widest cell
+    ("policy", "", lambda r: r.policy),
+    ("B", "tokens", lambda r: "-" if r.block_size is None else str(r.block_size)),
+    ("tok/s", "", lambda r: f"{r.tokens_per_s:.1f}"),
+    ("TTFT p50", "s", lambda r: f"{r.ttft_p50_s:.3f}"),
+    ("TTFT p99", "s", lambda r: f"{r.ttft_p99_s:.3f}"),
+    ("TPOT p50", "ms", lambda r: f"{r.tpot_p50_s * 1e3:.1f}"),
+    ("TPOT p99", "ms", lambda r: f"{r.tpot_p99_s * 1e3:.1f}"),
+    ("e2e p99", "s", lambda r: f"{r.e2e_p99_s:.2f}"),
+    ("peak KV", "", lambda r: format_bytes(r.peak_kv_bytes)),
+    ("mean KV", "", lambda r: format_bytes(r.mean_kv_bytes)),
+    ("padding", "", lambda r: f"{r.padding_ratio:.1%}"),
+    ("preempt", "", lambda r: str(r.preemptions)),
+    ("swaps", "", lambda r: str(r.swaps)),
+    ("objective", "us/tok", lambda r: f"{r.objective * 1e6:.3f}"),
+    ("replay", "s", lambda r: f"{r.replay_s:.2f}"),
 )
 
 
 def format_table(report: ReplayReport) -> str:
     """One row per policy, then the adaptive-vs-oracle and adaptive-vs-static-16 ratios."""
-    first, *rest = _COLUMNS
-    lines = [
-        f"{first[0]:<{first[2]}}" + "".join(f"{t:>{w}}" for t, _, w, _ in rest),
-        f"{first[1]:<{first[2]}}" + "".join(f"{u:>{w}}" for _, u, w, _ in rest),
-    ]
-    for result in report.results:
-        cells = "".join(f"{value(result):>{w}}" for _, _, w, value in rest)
-        lines.append(f"{first[3](result):<{first[2]}}" + cells)
+    rows = [[title for title, _, _ in _COLUMNS], [unit for _, unit, _ in _COLUMNS]]
+    rows += [[value(result) for _, _, value in _COLUMNS] for result in report.results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = []
+    for first, *cells in rows:
+        right = "".join(f"  {c:>{w}}" for c, w in zip(cells, widths[1:], strict=True))
+        lines.append(f"{first:<{widths[0]}}{right}")
     ratios = comparisons(report)
     lines.append(
         f"adaptive / oracle objective: {ratios['adaptive_vs_oracle_objective']:.4f} "

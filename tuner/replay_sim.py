@@ -145,6 +145,8 @@ class _Server:
         self.evictable: OrderedDict[tuple[int, int], None] = OrderedDict()
         self.keys_of: dict[int, list[tuple[int, int]]] = {}
         self.waiting: deque[int] = deque()
+        # (head of the queue, blocks it needs) after it did not fit; cleared when blocks free
+        self.blocked: tuple[int, int] | None = None
         self.next_arrival = 0
         self.t = 0.0
         self.next_boundary = 1
@@ -223,6 +225,7 @@ class _Server:
             self.evictable.popitem(last=False)
 
     def _release(self, request: int) -> None:
+        self.blocked = None
         for key in reversed(self.keys_of.pop(request, ())):
             count = self.refs[key] - 1
             if count:
@@ -243,6 +246,8 @@ class _Server:
         step; their prefill time goes into this step. True if any was admitted."""
         size, w = self.block_size, self.w
         available = self.num_blocks - self._referenced() - need
+        if self.blocked and self.blocked[0] == self.waiting[0] and self.blocked[1] > available:
+            return False
         rows, ctxs, rems, shares, prefill = [], [], [], [], 0
         while self.waiting:
             request = self.waiting[0]
@@ -251,9 +256,11 @@ class _Server:
             keys = w.prefix_keys(request, shared, size) if shared else []
             held_hits = sum(1 for k in keys if k in self.refs)
             cached_hits = sum(1 for k in keys if k in self.evictable)
-            if -(-(held + 1) // size) - held_hits > available:
+            blocks = -(-(held + 1) // size) - held_hits
+            if blocks > available:
+                self.blocked = (request, blocks)
                 break
-            available -= -(-(held + 1) // size) - held_hits
+            available -= blocks
             self.waiting.popleft()
             for key in keys:
                 if key in self.evictable:
@@ -300,22 +307,17 @@ class _Server:
     # ---------------------------------------------------------------- steps
     def _advance(self, admitted: bool) -> None:
         """Run the steps up to the next event, in closed form; finish whoever is done."""
-        size, cost = self.block_size, self.cost
-        ctx = self.ctx
-        n = len(ctx)
-        horizon = min(int(self.rem.min()), HORIZON_STEPS)
+        size, cost, ctx, n = self.block_size, self.cost, self.ctx, len(self.ctx)
+        first_finish = int(self.rem.min())
+        horizon = min(first_finish, HORIZON_STEPS)
         steps = np.arange(1, horizon + 1)
         phases = np.bincount((-ctx) % size, minlength=size)
         table_blocks = self.table_blocks + np.cumsum(phases[(steps - 1) % size])
         duplicates = self.sum_shared - len(self.refs)
         referenced = table_blocks - duplicates
-        tokens = int(ctx.sum()) + n * steps
-        step_s = (
-            cost.fixed_s
-            + cost.per_block_s * table_blocks
-            + cost.per_token_s * tokens
-            + cost.per_sequence_s * n
-        )
+        held = int(ctx.sum())
+        step_s = cost.per_block_s * table_blocks + cost.per_token_s * n * steps
+        step_s += cost.fixed_s + cost.per_token_s * held + cost.per_sequence_s * n
         if admitted:
             step_s[0] += self.prefill_tokens * cost.prefill_s_per_token
         ends = self.t + np.cumsum(step_s)
@@ -329,7 +331,8 @@ class _Server:
         boundary = self._boundary_time()
         if boundary < math.inf:
             k = min(k, int(np.searchsorted(ends, boundary, side="left")) + 1)
-        self._account(k, referenced[:k], tokens[:k] - duplicates * size, step_s[:k])
+        unique_tokens = k * held + n * k * (k + 1) // 2 - k * duplicates * size
+        self._account(referenced[:k], step_s[:k], unique_tokens, float(ends[k - 1]) - self.t)
         if admitted:
             new = np.isnan(self.first_token[self.ids])
             self.first_token[self.ids[new]] = ends[0]
@@ -337,32 +340,36 @@ class _Server:
         self.table_blocks = int(table_blocks[k - 1])
         self.ctx = ctx + k
         self.rem = self.rem - k
-        done = self.rem == 0
-        if done.any():
-            finished = self.ids[done]
-            self.finish[finished] = self.t
-            self.generated[finished] = self.w.output_tokens[finished]
-            for request in finished.tolist():
-                self._release(request)
-            self._remove(~done)
-            if self.controller is not None:
-                self.controller.observe(finished, np.full(len(finished), self.t))
-            if self.progress is not None:
-                self.progress.update(len(finished))
+        if k == first_finish:
+            self._finish(self.rem == 0)
         self._evict_to_fit()
 
+    def _finish(self, done: np.ndarray) -> None:
+        """Free the requests that generated their last token in the step just run."""
+        finished = self.ids[done]
+        self.finish[finished] = self.t
+        self.generated[finished] = self.w.output_tokens[finished]
+        for request in finished.tolist():
+            self._release(request)
+        self._remove(~done)
+        if self.controller is not None:
+            self.controller.observe(finished, np.full(len(finished), self.t))
+        if self.progress is not None:
+            self.progress.update(len(finished))
+
     def _account(
-        self, k: int, referenced: np.ndarray, used_tokens: np.ndarray, step_s: np.ndarray
+        self, referenced: np.ndarray, step_s: np.ndarray, unique_tokens: int, busy_s: float
     ) -> None:
+        """Add a stretch of steps to the counters (blocks held and times per step)."""
         size, counters = self.block_size, self.counters
-        counters["steps"] += k
+        counters["steps"] += len(referenced)
         counters["alloc"] += int(referenced.sum()) * size
-        counters["used"] += int(used_tokens.sum())
+        counters["used"] += unique_tokens
         peak = int(referenced[-1])
         self.peak_blocks = max(self.peak_blocks, peak)
         self.peak_bytes = max(self.peak_bytes, peak * size * self.slot_bytes)
         self.kv_byte_s += float(referenced @ step_s) * size * self.slot_bytes
-        self.busy_s += float(step_s.sum())
+        self.busy_s += busy_s
 
     # ---------------------------------------------------------------- block-size changes
     def _maybe_decide(self) -> None:
@@ -388,6 +395,7 @@ class _Server:
         self._set_block_size(new_size)
         self.shared = self.shared * old_size // new_size
         self.refs, self.evictable, self.keys_of = {}, OrderedDict(), {}
+        self.blocked = None
         for request, shared in zip(self.ids.tolist(), self.shared.tolist(), strict=True):
             if shared:
                 keys = self.w.prefix_keys(request, shared, new_size)
