@@ -32,8 +32,7 @@ class Received:
     def __init__(self) -> None:
         self.rows: list[tuple] = []
 
-    def __call__(self, batch, source: str) -> None:
-        assert source == "jsonl_log"
+    def __call__(self, batch) -> None:
         groups = batch.prefix_groups or [None] * len(batch)
         for row in zip(
             batch.prompt_tokens.tolist(),

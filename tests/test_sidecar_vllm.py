@@ -113,7 +113,7 @@ def test_scrapes_become_samples_with_the_histograms_bucket_counts(live_server):
         clock = iter(float(t) for t in range(1000, 2000, 10))
         source = VllmMetricsSource(
             settings,
-            lambda batch, name: received.append(batch),
+            received.append,
             sizes.append,
             clock=lambda: next(clock),
         )

@@ -142,7 +142,7 @@ class JsonlLogFollower(PollingSource):
             self.bad_lines += bad
             self.status.bad_items(bad, last_error)
         if items:
-            self._sink(Observations.of(items, now=now), self.name)
+            self._sink(Observations.of(items, now=now))
         return len(items)
 
     def _parse(self, line: bytes) -> Observation:

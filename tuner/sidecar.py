@@ -230,7 +230,7 @@ class Sidecar:
         log_event(log, "sidecar_stopped", deployment=self.policy.deployment)
 
     # ------------------------------------------------------------------ observations
-    def observe(self, batch: Observations, source: str = "push") -> None:
+    def observe(self, batch: Observations) -> None:
         """Write a validated batch to the window (the sink of every source)."""
         self.window.observe_many(
             batch.prompt_tokens,
@@ -251,7 +251,7 @@ class Sidecar:
         except ValueError as error:
             status.bad_items(1, str(error))
             raise
-        self.observe(batch, "push")
+        self.observe(batch)
         status.succeeded(len(batch))
         return len(batch)
 

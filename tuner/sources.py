@@ -200,7 +200,7 @@ class SourceStatus:
             }
 
 
-Sink = Callable[[Observations, str], None]
+Sink = Callable[[Observations], None]
 
 
 class PollingSource(ABC):

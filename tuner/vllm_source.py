@@ -274,7 +274,7 @@ class VllmMetricsSource(PollingSource):
         output = self._rng.permutation(output)
         start = now if since is None else since
         stamps = start + (now - start) * (np.arange(paired) + 1) / paired
-        self._sink(Observations(prompt, output, stamps), self.name)
+        self._sink(Observations(prompt, output, stamps))
         return paired
 
     def close(self) -> None:
