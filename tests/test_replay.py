@@ -1,0 +1,190 @@
+"""`replay`: every policy on the embedded day, the objective's bounds, the report's JSON and
+plots, the seed's peak-memory claim as measured, and the Azure conversation trace."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from blocktune.traces.synth import customer_service_day
+from blocktune.tuner.calibration import analytic_calibration
+from blocktune.tuner.cost_model import CostModel
+from blocktune.tuner.policy import Policy, load_policy
+from blocktune.tuner.replay import ADAPTIVE, ORACLE, ReplayError, replay, static_name
+from blocktune.tuner.replay_objective import IntervalCosts
+from blocktune.tuner.replay_plots import PLOT_FILES, write_plots
+from blocktune.tuner.replay_report import RESULT_KEYS, comparisons, format_table, report_dict
+from blocktune.tuner.replay_workload import Workload
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY = load_policy(ROOT / "policies" / "customer_service_llama8b.yaml")
+CALIBRATION = analytic_calibration()
+AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+
+
+@pytest.fixture(scope="module")
+def day_report():
+    """The embedded day at `blocktune replay`'s default scale (about 8000 requests)."""
+    day = customer_service_day(0, rate_scale=0.05)
+    return replay(day, POLICY, CALIBRATION, label="embedded day")
+
+
+def test_every_policy_serves_every_token(day_report):
+    names = [r.policy for r in day_report.results]
+    assert names == [*(static_name(b) for b in POLICY.candidates), ADAPTIVE, ORACLE]
+    expected = int(day_report.workload.output_tokens.sum())
+    for result in day_report.results:
+        assert result.generated_tokens == expected
+        assert 0 < result.ttft_p50_s <= result.ttft_p99_s < result.e2e_p99_s
+        assert 0 < result.tpot_p50_s <= result.tpot_p99_s
+        assert 0 < result.mean_kv_bytes < result.peak_kv_bytes <= int(POLICY.kv_budget)
+    padding = [day_report.result(static_name(b)).padding_ratio for b in POLICY.candidates]
+    assert padding == sorted(padding)  # bigger blocks, more padding
+
+
+def test_the_oracle_bounds_every_policy(day_report):
+    oracle = day_report.result(ORACLE).objective
+    for result in day_report.results:
+        assert oracle <= result.objective * (1 + 1e-12), result.policy
+    assert comparisons(day_report)["adaptive_vs_oracle_objective"] >= 1
+
+
+def test_static_objective_is_the_cost_model_over_each_interval():
+    """With one interval spanning the trace, static-B scores the cost model's J(B) of all
+    requests, shared prefixes counted as the selector counts them."""
+    day = customer_service_day(2, rate_scale=0.01)
+    policy = Policy.model_validate({**POLICY.model_dump(), "interval": "2d"})
+    workload = Workload.from_frame(day)
+    costs = IntervalCosts.of(workload, CostModel(policy, CALIBRATION))
+    groups = day.prefix_group.dropna()
+    expected = CostModel(policy, CALIBRATION).costs(
+        day.prompt_tokens.to_numpy(),
+        day.output_tokens.to_numpy(),
+        shared_prefixes=len(groups) - groups.nunique(),
+    )
+    for cost in expected:
+        assert costs.static(cost.block_size) == pytest.approx(cost.objective_s_per_token)
+
+
+def test_interval_schedules():
+    """Tokens-weighted J per interval; empty intervals count nothing; switches apply from
+    their boundary on; the best schedule keeps its size through an empty interval."""
+    costs = IntervalCosts(
+        interval_s=60.0,
+        block_sizes=(8, 16),
+        tokens=np.array([10, 0, 30]),
+        objective=np.array([[1.0, 2.0], [np.nan, np.nan], [4.0, 3.0]]),
+    )
+    assert costs.static(8) == pytest.approx((10 * 1.0 + 30 * 4.0) / 40)
+    assert costs.best_schedule().tolist() == [8, 8, 16]
+    assert costs.schedule(costs.best_schedule()) == pytest.approx((10 + 90) / 40)
+    assert costs.schedule(np.array([8, 8, 16]), pause_s=4.0) == pytest.approx(104 / 40)
+    assert costs.sizes_in_force(16, [(2, 120.0, 8), (5, 300.0, 16)]).tolist() == [16, 16, 8]
+
+
+def test_adaptive_follows_the_selector_on_the_day(day_report):
+    """The window sees the night promotion's short requests and the selector shrinks the
+    blocks; a shrink moves no data, so no pause is charged."""
+    run = day_report.runs[ADAPTIVE]
+    timeline = day_report.timeline
+    assert len(timeline) == int(run.end_s // POLICY.interval.total_seconds())
+    assert run.swaps == len(run.switches) >= 1
+    sizes = [p.block_size for p in timeline]
+    assert sizes[0] == 16 and 8 in sizes
+    switch_t = run.switches[0][1]
+    promo_median = [p.median_len for p in timeline if p.t_s >= switch_t][0]
+    assert promo_median < [p.median_len for p in timeline][0] / 2
+    if all(new < old for old, new in zip(sizes, sizes[1:], strict=False) if new != old):
+        assert run.swap_pause_s == 0.0
+
+
+def test_a_grow_is_charged_its_pause():
+    """Short requests, then long ones (about 10 running at once): the adaptive policy grows
+    the blocks while requests are live, and pauses to copy them."""
+    rng = np.random.default_rng(0)
+    short = pd.DataFrame(
+        {
+            "arrival_s": np.sort(rng.uniform(0, 600, 600)),
+            "prompt_tokens": rng.integers(10, 20, 600),
+            "output_tokens": rng.integers(5, 15, 600),
+        }
+    )
+    long = short.assign(
+        arrival_s=short.arrival_s + 600,
+        prompt_tokens=short.prompt_tokens * 100,
+        output_tokens=short.output_tokens * 20,
+    )
+    policy = Policy.model_validate(
+        {
+            **POLICY.model_dump(),
+            "interval": "60s",
+            "min_dwell": "0s",
+            "safety_factor": 1,
+            "window": {"capacity": 200, "min_samples": 50},
+        }
+    )
+    report = replay(pd.concat([short, long]), policy, CALIBRATION, initial_block_size=8)
+    run = report.runs[ADAPTIVE]
+    assert [size for _, _, size in run.switches][-1] > 8
+    assert run.swap_pause_s > 0
+    assert report.result(ADAPTIVE).objective >= report.result(ORACLE).objective
+
+
+def test_the_seeds_peak_memory_claim_as_measured(day_report, capsys):
+    """The seed claims -19% peak memory from adaptive sizing against a fixed 16. On the
+    embedded day the peak falls in the daytime mix, where the tuner keeps 16, so the
+    measured change is far smaller than claimed."""
+    ratios = comparisons(day_report)
+    change = ratios["adaptive_vs_static16_peak_kv"] - 1
+    with capsys.disabled():
+        print(f"\nembedded day: adaptive peak KV vs static-16: {change:+.1%} (claim: -19%)")
+    assert -0.19 < change <= 0.0
+    assert f"peak KV {change:+.1%}" in format_table(day_report)
+
+
+def test_report_json_has_exactly_the_documented_keys(day_report, tmp_path):
+    data = json.loads(json.dumps(report_dict(day_report), allow_nan=False))
+    assert set(data) == {"trace", "policy", "results", "timeline"}
+    assert all(tuple(r) == RESULT_KEYS for r in data["results"])
+    assert all(set(p) == {"t_s", "block_size", "median_len"} for p in data["timeline"])
+    assert data["trace"]["replayed"] == len(day_report.workload)
+    assert data["policy"]["candidates"] == [8, 16, 32, 64]
+    assert data["results"][-2]["block_size"] is None  # adaptive
+    paths = write_plots(day_report, tmp_path)
+    assert [p.name for p in paths] == list(PLOT_FILES)
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_requests_are_named():
+    day = customer_service_day(0, rate_scale=0.001)
+    with pytest.raises(ReplayError, match="initial block size 128 is not among"):
+        replay(day, POLICY, CALIBRATION, initial_block_size=128)
+    with pytest.raises(ReplayError, match="has no rows"):
+        replay(day.iloc[:0], POLICY, CALIBRATION)
+
+
+def test_requests_longer_than_the_pool_are_left_out():
+    day = customer_service_day(0, rate_scale=0.001)
+    huge = pd.DataFrame({"arrival_s": [1.0], "prompt_tokens": [40_000], "output_tokens": [10]})
+    report = replay(pd.concat([day, huge]), POLICY, CALIBRATION)
+    assert report.trace["too_long_for_the_pool"] == 1
+    assert report.trace["replayed"] == len(day)
+
+
+@pytest.mark.skipif(not AZURE.is_file(), reason="the shared Azure trace is not present")
+def test_azure_conversation_trace_replays_under_every_policy():
+    from blocktune.traces.loaders import load_trace
+
+    frame = load_trace(AZURE).frame
+    policy = load_policy(ROOT / "policies" / "long_document.yaml")
+    report = replay(frame, policy, CALIBRATION, label="azure conversation")
+    assert report.trace["replayed"] == 19_366
+    oracle = report.result(ORACLE).objective
+    for result in report.results:
+        assert result.generated_tokens == int(frame.output_tokens.sum())
+        assert oracle <= result.objective * (1 + 1e-12)
+    padding = [report.result(static_name(b)).padding_ratio for b in policy.candidates]
+    assert padding[0] < 0.01  # long prompts: under 1% padding at B=16 (DESIGN.md)

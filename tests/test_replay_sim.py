@@ -1,0 +1,179 @@
+"""The serving simulator: conservation, pool limits, preemption, step times, prefix reuse,
+block-size switches, and padding/peak against a direct BlockManager replay."""
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from blocktune.traces.synth import customer_service_day
+from blocktune.tuner.block_replay import replay_block_manager
+from blocktune.tuner.calibration import analytic_calibration
+from blocktune.tuner.cost_model import CostModel
+from blocktune.tuner.policy import Policy, load_policy
+from blocktune.tuner.replay_control import OracleController
+from blocktune.tuner.replay_server import ServerModel
+from blocktune.tuner.replay_sim import simulate
+from blocktune.tuner.replay_workload import Workload
+
+POLICIES = Path(__file__).resolve().parents[1] / "policies"
+POLICY = load_policy(POLICIES / "customer_service_llama8b.yaml")
+CALIBRATION = analytic_calibration()
+SLOT = POLICY.model.kv_bytes_per_token  # 128 KiB
+
+
+def with_budget(slots: int, **changes) -> Policy:
+    """The customer-service policy with a KV budget of `slots` token slots."""
+    return Policy.model_validate({**POLICY.model_dump(), "kv_budget": slots * SLOT, **changes})
+
+
+def busy_day(seed: int = 1) -> pd.DataFrame:
+    """About 1900 requests in 10 minutes (3 per second), prefixes included."""
+    return customer_service_day(seed, duration_s=600.0, rate_scale=0.012)
+
+
+def check_conservation(workload: Workload, run) -> None:
+    """Every request finished with all its tokens, in order of time."""
+    assert np.array_equal(run.generated, workload.output_tokens)
+    assert not np.isnan(run.finish_s).any()
+    assert (run.first_token_s > workload.arrival_s).all()
+    assert (run.finish_s >= run.first_token_s).all()
+    assert run.used_slot_steps <= run.allocated_slot_steps
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_ample_pool_conserves_tokens_and_never_preempts(block_size):
+    workload = Workload.from_frame(busy_day())
+    server = ServerModel(with_budget(1 << 20), CALIBRATION)
+    run = simulate(workload, server, block_size)
+    check_conservation(workload, run)
+    assert run.preemptions == 0
+    assert run.steps >= workload.output_tokens.max()
+    assert 0 < run.peak_blocks <= server.num_blocks(block_size)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_tiny_pool_preempts_without_over_allocation(block_size):
+    workload = Workload.from_frame(busy_day())
+    policy = with_budget(1024)  # 128 MiB; the longest request (520 tokens) still fits alone
+    server = ServerModel(policy, CALIBRATION)
+    run = simulate(workload, server, block_size)
+    check_conservation(workload, run)
+    assert run.preemptions > 0
+    assert run.peak_blocks <= server.num_blocks(block_size)
+    assert run.peak_kv_bytes <= int(policy.kv_budget)
+    ample = simulate(workload, ServerModel(with_budget(1 << 20), CALIBRATION), block_size)
+    assert run.busy_s > ample.busy_s  # smaller batches and recomputed prompts cost time
+    assert run.peak_kv_bytes < ample.peak_kv_bytes
+
+
+def test_a_request_larger_than_the_pool_is_refused():
+    frame = pd.DataFrame({"arrival_s": [0.0], "prompt_tokens": [900], "output_tokens": [200]})
+    with pytest.raises(ValueError, match="1100 tokens does not fit the pool of 64 blocks"):
+        simulate(Workload.from_frame(frame), ServerModel(with_budget(1024), CALIBRATION), 16)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_padding_and_peak_equal_a_direct_block_manager_replay(block_size):
+    """Same steps as `replay_block_manager` (fixed step time, a pool nothing waits for): the
+    same steps, peak blocks and allocated slot-steps, hence the same padding ratio, which is
+    also the cost model's padding ratio of the whole trace."""
+    day = busy_day(seed=3).drop(columns=["prefix_hashes", "prefix_group"])
+    workload = Workload.from_frame(day)
+    policy = with_budget(1 << 22)
+    run = simulate(workload, ServerModel(policy, CALIBRATION, fixed_step_s=0.05), block_size)
+    direct = replay_block_manager(day, block_size, step_s=0.05)
+    assert run.steps == direct.steps
+    assert run.peak_blocks == direct.peak_blocks
+    assert run.allocated_slot_steps == direct.allocated_slot_steps
+    assert run.padding_ratio == pytest.approx(direct.padding_ratio, abs=1e-12)
+    (cost,) = CostModel(policy, CALIBRATION).costs(
+        workload.prompt_tokens, workload.output_tokens, block_sizes=(block_size,)
+    )
+    assert run.padding_ratio == pytest.approx(cost.padding_ratio, abs=1e-12)
+
+
+def test_step_times_follow_the_calibration():
+    """One request alone: its first step prefills the prompt, then one token per step."""
+    prompt, output, size = 100, 5, 16
+    frame = pd.DataFrame({"arrival_s": [0.0], "prompt_tokens": [prompt], "output_tokens": [output]})
+    server = ServerModel(POLICY, CALIBRATION)
+    run = simulate(Workload.from_frame(frame), server, size)
+    kernel = CostModel(POLICY, CALIBRATION).kernel(size)
+    layers = POLICY.model.num_layers
+    weights = POLICY.model.weight_bytes / CALIBRATION.memory_bandwidth_bytes_per_s
+    prefill = prompt * 2 * POLICY.model.num_params / CALIBRATION.compute_flops_per_s
+    steps = [
+        weights
+        + layers * (kernel.launch_s + kernel.per_block_s * -(-held // size))
+        + layers * kernel.per_token_s * held
+        + CALIBRATION.host_s_per_token[size]
+        for held in range(prompt + 1, prompt + output + 1)
+    ]
+    assert run.first_token_s[0] == pytest.approx(prefill + steps[0], rel=1e-12)
+    assert run.finish_s[0] == pytest.approx(prefill + sum(steps), rel=1e-12)
+    assert run.busy_s == pytest.approx(run.finish_s[0], rel=1e-12)
+
+
+def prefix_requests(arrivals, prompts, outputs, hashes) -> Workload:
+    return Workload.from_frame(
+        pd.DataFrame(
+            {
+                "arrival_s": arrivals,
+                "prompt_tokens": prompts,
+                "output_tokens": outputs,
+                "prefix_hashes": pd.Series(hashes, dtype=object),
+            }
+        )
+    )
+
+
+def test_a_shared_prefix_is_held_once():
+    """Two 300-token prompts with one 256-token prefix hash at B=16: the second request
+    takes the first's 16 prefix blocks, so together they hold 19 + 3 blocks, not 38."""
+    workload = prefix_requests([0.0, 0.01], [300, 300], [2, 2], [[7], [7]])
+    server = ServerModel(with_budget(4096), CALIBRATION, fixed_step_s=0.05)
+    assert simulate(workload, server, 16).peak_blocks == 22
+    unshared = prefix_requests([0.0, 0.01], [300, 300], [2, 2], [[7], [8]])
+    assert simulate(unshared, server, 16).peak_blocks == 38
+
+
+def test_released_prefix_blocks_are_reused_until_evicted():
+    """A finished request's prefix blocks stay cached: a later request prefills only its
+    last 44 tokens. A 601-token request in between needs 38 of the 40 blocks and evicts the
+    least recently released: the 14 last prefix blocks (freed last to first), so only the
+    first 2 (32 tokens) are still there."""
+    size, server = 16, ServerModel(with_budget(640), CALIBRATION)
+    cost = server.step_cost(size)
+
+    def first_step(prefilled: int) -> float:
+        return (
+            cost.fixed_s
+            + cost.per_block_s * 19
+            + cost.per_token_s * 301
+            + cost.per_sequence_s
+            + cost.prefill_s_per_token * prefilled
+        )
+
+    cached = prefix_requests([0.0, 10.0], [300, 300], [1, 1], [[7], [7]])
+    run = simulate(cached, server, size)
+    assert run.first_token_s[1] - 10.0 == pytest.approx(first_step(44), rel=1e-12)
+    evicted = prefix_requests([0.0, 5.0, 10.0], [300, 600, 300], [1, 1, 1], [[7], [], [7]])
+    run = simulate(evicted, server, size)
+    assert run.first_token_s[2] - 10.0 == pytest.approx(first_step(300 - 32), rel=1e-12)
+
+
+def test_switches_keep_conservation_and_the_pool_limit():
+    """An oracle schedule 16 -> 8 -> 64 -> 32 on a tight pool: every switch happens at its
+    interval boundary, no request loses a token and no size over-allocates."""
+    workload = Workload.from_frame(busy_day())
+    policy = with_budget(1024, interval="150s")
+    server = ServerModel(policy, CALIBRATION)
+    schedule = np.array([16, 8, 64, 32])
+    run = simulate(workload, server, 16, controller=OracleController(150.0, schedule))
+    check_conservation(workload, run)
+    assert [(b, size) for b, _, size in run.switches] == [(1, 8), (2, 64), (3, 32)]
+    assert all(150.0 * b <= t < 150.0 * b + 1 for b, t, _ in run.switches)
+    assert run.swaps == 3 and run.swap_pause_s == 0.0
+    assert run.peak_kv_bytes <= int(policy.kv_budget)
