@@ -160,6 +160,7 @@ class Sidecar:
         self._stopped = False
         self._restore()
         if engine is not None:
+            self._current = engine.block_size
             engine.add_listener(self._on_finished)
 
     @staticmethod
@@ -204,6 +205,7 @@ class Sidecar:
         if self._started:
             return
         self._started = True
+        self._refresh_current()
         self.collector.start()
         self._runner.start()
         log_event(
@@ -303,7 +305,7 @@ class Sidecar:
                     self._applied = decision
             self._recommended = recommended
             current = self._current
-            self._body = self._decision_body(decision, recommended, current)
+            self._body = self._decision_body(decision, recommended)
         fields = {"block_size": decision.block_size, "current_block_size": current}
         if actuation is not None:
             fields.update(swap=actuation.status, swap_reason=actuation.reason)
@@ -335,7 +337,7 @@ class Sidecar:
             action=self._action(recommended, current),
         )
 
-    def _decision_body(self, decision: Decision, recommended: int, current: int) -> dict:
+    def _decision_body(self, decision: Decision, recommended: int) -> dict:
         seed = decision.seed_heuristic
         return plain(
             {
@@ -343,7 +345,6 @@ class Sidecar:
                 "heuristic_block_size": decision.heuristic_block_size,
                 "recommended_block_size": recommended,
                 "switch": decision.switch,
-                "action": self._action(recommended, current),
                 "reason": decision.reason,
                 "decided_current_block_size": decision.current_block_size,
                 "samples": decision.samples,
@@ -376,6 +377,8 @@ class Sidecar:
             out.update(block_size=None, switch=False, reason="no decision yet", candidates=[])
         else:
             out.update(body)
+            recommended = body.get("recommended_block_size")
+            out["action"] = None if recommended is None else self._action(recommended, current)
         out["next_run_at"] = None if next_run is None else next_run.timestamp()
         if self.actuator is not None:
             out["actuation"] = actuation
