@@ -1,5 +1,6 @@
 """The vLLM metrics source against a local server whose histograms change between scrapes."""
 
+import json
 import socket
 import time
 from pathlib import Path
@@ -169,7 +170,7 @@ def test_spread_samples_stays_in_buckets_and_matches_the_sum():
     assert spread_samples(no_sum, minimum=1).tolist()[-1] == 11
 
 
-def test_sidecar_recommends_a_restart_for_vllm(live_server):
+def test_sidecar_recommends_a_restart_for_vllm(live_server, caplog):
     rng = np.random.default_rng(1)
     vllm = FakeVllm(block_size=16)
     vllm.add(ENGINE_A, [100], [100])
@@ -185,10 +186,17 @@ def test_sidecar_recommends_a_restart_for_vllm(live_server):
             vllm.add(ENGINE_A, rng.integers(15, 26, 400), rng.integers(8, 25, 400))
             holder["text"] = vllm.text()
             assert wait_for(lambda: len(sidecar.window) == 400)
-            body = httpx.post(f"{url}/v1/decide").json()
+            with caplog.at_level("INFO", logger="blocktune.sidecar"):
+                body = httpx.post(f"{url}/v1/decide").json()
+                again = httpx.post(f"{url}/v1/decide").json()
             assert body["current_block_size"] == 16 and body["block_size"] == 8
-            assert body["action"] == "restart vLLM with --block-size 8"
+            assert body["action"] == again["action"] == "restart vLLM with --block-size 8"
             assert body["enforcing"] is False  # vLLM cannot swap: a recommendation
+            events = [json.loads(r.message)["event"] for r in caplog.records]
+            assert events.count("decision") == 2 and events.count("recommendation") == 1
+            metrics = httpx.get(f"{url}/metrics").text
+            assert "blocktune_recommended_block_size 8.0" in metrics
+            assert "blocktune_current_block_size 16.0" in metrics
             assert httpx.post(f"{url}/v1/observations", json=[]).status_code == 403
 
 
