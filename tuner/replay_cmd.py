@@ -21,7 +21,7 @@ from blocktune.tuner.trace_cmd import _add_load_arguments
 if TYPE_CHECKING:
     import pandas as pd
 
-    from blocktune.tuner.replay import ReplayReport
+    from blocktune.tuner.policy import Policy
 
 __all__ = ["register"]
 
@@ -90,6 +90,8 @@ def run_replay(args: argparse.Namespace) -> int:
         path = policy.calibration_path(Path(args.policy).parent)
         calibration = default_calibration() if path is None else load_calibration(path)
         frame, label = _load(args)
+        if args.json != "-":
+            _print_setup(frame, label, policy, args.policy, calibration.describe())
         report = replay(
             frame,
             policy,
@@ -104,11 +106,13 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(json.dumps(report_dict(report), indent=2, allow_nan=False))
     else:
-        _print_summary(report, args, calibration.describe())
+        left_out = report.trace["too_long_for_the_pool"]
+        if left_out:
+            print(f"left out {left_out} requests longer than the KV pool")
         print(format_table(report))
         switches = report.runs[ADAPTIVE].switches
         steps = ", ".join(f"B={size} at {t:.0f} s" for _, t, size in switches) or "none"
-        print(f"adaptive switches: {steps}")
+        print(f"adaptive: starts at B={report.policy['initial_block_size']}; switches: {steps}")
     written = []
     if args.json not in (None, "-"):
         write_json(report, Path(args.json))
@@ -123,27 +127,24 @@ def run_replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(report: ReplayReport, args: argparse.Namespace, calibration: str) -> None:
-    trace, policy = report.trace, report.policy
+def _print_setup(
+    frame: pd.DataFrame, label: str, policy: Policy, policy_file: str, calibration: str
+) -> None:
+    """What is about to be replayed: the trace, the deployment and the calibration."""
+    span = float(frame.arrival_s.max() - frame.arrival_s.min())
+    shared = int(frame.prefix_group.notna().sum()) if "prefix_group" in frame else 0
     print(
-        f"trace: {trace['label']}: {trace['replayed']} requests over "
-        f"{trace['duration_s']:.0f} s, median prompt {trace['prompt_tokens_median']:.0f} "
-        f"and output {trace['output_tokens_median']:.0f} tokens, "
-        f"{trace['requests_with_prefix']} with a shared prefix"
-        + (
-            f"; {trace['too_long_for_the_pool']} left out (longer than the KV pool)"
-            if trace["too_long_for_the_pool"]
-            else ""
-        )
+        f"trace: {label}: {len(frame)} requests over {span:.0f} s, median prompt "
+        f"{frame.prompt_tokens.median():.0f} and output {frame.output_tokens.median():.0f} "
+        f"tokens, {shared} in a prefix group"
     )
     print(
-        f"policy: {policy['deployment']} ({args.policy}): KV budget "
-        f"{policy['kv_budget_bytes'] / 2**30:.2f} GiB, candidates "
-        f"{' '.join(map(str, policy['candidates']))}, decisions every "
-        f"{policy['interval_s']:g} s, min_dwell {policy['min_dwell_s']:g} s, adaptive starts "
-        f"at B={policy['initial_block_size']}"
+        f"policy: {policy.deployment} ({policy_file}): KV budget "
+        f"{int(policy.kv_budget) / 2**30:.2f} GiB, candidates "
+        f"{' '.join(map(str, policy.candidates))}, decisions every "
+        f"{policy.interval.total_seconds():g} s, min_dwell {policy.min_dwell.total_seconds():g} s"
     )
-    print(f"calibration: {calibration}")
+    print(f"calibration: {calibration}", flush=True)
 
 
 def _positive_float(text: str) -> float:
