@@ -183,3 +183,26 @@ def test_an_engine_and_an_http_actuator_exclude_each_other():
     settings = ActuatorSettings(kind="http", url="http://127.0.0.1:9")
     with pytest.raises(SidecarConfigError, match="use one of them"):
         Sidecar(POLICY.model_copy(update={"actuator": settings}), engine=object())
+
+
+def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
+    from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.model import load_model
+    from blocktune.tuner.worker import EngineLoop, create_worker_app
+
+    monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
+    loop = EngineLoop(
+        Engine(load_model("tiny-random"), EngineConfig(block_size=16, num_blocks=256))
+    )
+    loop.start()
+    try:
+        with live_server(create_worker_app(loop, token=TOKEN)) as worker_url:
+            sidecar = Sidecar(enforcing(worker_url))
+            with live_server(create_sidecar_app(sidecar)) as url:
+                httpx.post(f"{url}/v1/observations", json=short_requests(300))
+                body = httpx.post(f"{url}/v1/decide").json()
+            state = httpx.get(f"{worker_url}/admin/state").json()
+    finally:
+        loop.stop()
+    assert body["actuation"]["status"] == "done" and body["current_block_size"] == 8
+    assert state["block_size"] == 8 and state["swap_history"][-1]["new_block_size"] == 8
