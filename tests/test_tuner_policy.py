@@ -108,13 +108,13 @@ mode: auto
 
 
 def test_unknown_keys_are_rejected_wherever_they_are(tmp_path):
-    text = GOOD + "window:\n  capacity: 100\n  size: 5\nsources: [a]\n"
+    text = GOOD + "window:\n  capacity: 100\n  size: 5\nbogus: [a]\n"
     path = write(tmp_path, text)
     with pytest.raises(ConfigError) as caught:
         load_policy(path)
     problems = caught.value.problems
     assert any(p.startswith(f"{path}:12: window.size: Extra inputs") for p in problems)
-    assert any(p.startswith(f"{path}:13: sources: Extra inputs") for p in problems)
+    assert any(p.startswith(f"{path}:13: bogus: Extra inputs") for p in problems)
 
 
 @pytest.mark.parametrize(

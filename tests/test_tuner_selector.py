@@ -139,6 +139,13 @@ def test_a_grow_must_pay_for_its_copy():
     moved = decision.cost_of(8).capacity_tokens * DEFAULT.model.kv_bytes_per_token
     assert decision.swap_cost_s == pytest.approx(moved / ANALYTIC.copy_bandwidth_bytes_per_s)
     assert "swap cost" in decision.reason
+    # An engine whose grows copy a measured share of the live KV pays that share.
+    aligned = cautious.model_copy(update={"grow_copy_fraction": 0.25})
+    quarter = Selector(aligned, ANALYTIC).decide(phase_window("day"), 8, now=0.0)
+    assert quarter.swap_cost_s == pytest.approx(decision.swap_cost_s / 4)
+    free = cautious.model_copy(update={"grow_copy_fraction": 0.0, "safety_factor": 1.0})
+    switched = Selector(free, ANALYTIC).decide(phase_window("day"), 8, now=0.0)
+    assert switched.swap_cost_s == 0.0 and switched.switch and switched.block_size == 16
 
 
 def test_too_few_samples_keep_the_current_size_and_say_why():

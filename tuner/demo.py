@@ -1,14 +1,10 @@
-"""`blocktune demo`: the main job on the bundled defaults."""
+"""`blocktune demo`: the whole loop live — a worker, a sidecar, shifting traffic, hot swaps."""
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["register"]
-
-DEMO_BLOCK_SIZES = (8, 16, 32, 64)
-# The model shape the demo states its KV bytes for: Llama-3-8B-like, bf16.
-DEMO_SHAPE = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "dtype_bytes": 2}
+__all__ = ["format_bytes", "register"]
 
 
 def format_bytes(value: float) -> str:
@@ -21,63 +17,43 @@ def format_bytes(value: float) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Replay a synthetic customer-service workload through the BlockManager per block size."""
-    from blocktune.runtime.kv_cache import kv_bytes
-    from blocktune.traces.synth import customer_service_day
-    from blocktune.tuner.block_replay import replay_block_manager
+    """Start a worker and a sidecar on loopback, drive a compressed customer-service day
+    through them, print a line per interval, and verify every completion."""
+    from blocktune.tuner.closed_loop import run_closed_loop
 
-    trace = customer_service_day(args.seed, duration_s=args.duration, rate_scale=args.rate_scale)
-    per_slot = kv_bytes(**DEMO_SHAPE, num_slots=1)
-    print(
-        f"workload: synthetic customer-service day, seed {args.seed}, {len(trace)} requests "
-        f"over {args.duration:.0f} s, median prompt {trace.prompt_tokens.median():.0f} "
-        f"tokens, median output {trace.output_tokens.median():.0f} tokens"
+    report = run_closed_loop(
+        duration_s=args.duration,
+        interval_s=args.interval,
+        rate_per_s=args.rate,
+        seed=args.seed,
     )
-    print(
-        "model shape: 32 layers x 8 KV heads x head_dim 128, bf16 "
-        f"({format_bytes(per_slot)} of K+V per token)"
-    )
-    print(f"{'block':>5}  {'peak blocks':>11}  {'peak KV':>10}  {'padding':>7}  {'mean pad':>10}")
-    for block_size in args.block_sizes:
-        stats = replay_block_manager(trace, block_size, step_s=args.step)
-        mean_padding = stats.padding_slot_steps / stats.steps * per_slot
-        print(
-            f"{block_size:>5}  {stats.peak_blocks:>11}  "
-            f"{format_bytes(stats.peak_slots * per_slot):>10}  "
-            f"{stats.padding_ratio:>7.1%}  {format_bytes(mean_padding):>10}"
-        )
-    return 0
+    return 0 if report.ok else 1
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `demo` to the command line."""
     demo = commands.add_parser(
         "demo",
-        help="replay a synthetic customer-service workload at several block sizes",
-        description=run_demo.__doc__,
+        help="the closed loop live: worker + sidecar on loopback, traffic, hot swaps",
+        description=(
+            "Starts `blocktune worker` (tiny-random model) and `blocktune serve` on loopback, "
+            "sends a compressed customer-service day (daytime mix, a promotion burst of short "
+            "queries, the daytime mix again), prints the rate, median length, chosen block "
+            "size, swap and KV blocks in use every interval, and finally checks every "
+            "completion against an engine that never swaps. Exits 1 if any differs or fails."
+        ),
     )
-    demo.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    demo.add_argument("--seed", type=int, default=0, help="workload and model seed (default 0)")
     demo.add_argument(
-        "--duration",
+        "--duration", type=float, default=60.0, help="seconds of traffic (default 60)"
+    )
+    demo.add_argument(
+        "--interval", type=float, default=4.0, help="sidecar decision interval, s (default 4)"
+    )
+    demo.add_argument(
+        "--rate",
         type=float,
-        default=3600.0,
-        help="seconds the day is compressed into (default: 3600)",
-    )
-    demo.add_argument(
-        "--rate-scale",
-        type=float,
-        default=0.05,
-        help="multiplier on every arrival rate (default: 0.05)",
-    )
-    demo.add_argument(
-        "--step", type=float, default=0.05, help="seconds per decode step (default: 0.05)"
-    )
-    demo.add_argument(
-        "--block-sizes",
-        type=int,
-        nargs="+",
-        default=list(DEMO_BLOCK_SIZES),
-        metavar="B",
-        help="block sizes to compare (default: 8 16 32 64)",
+        default=3.0,
+        help="daytime requests per second; the burst sends three times as many (default 3)",
     )
     demo.set_defaults(handler=run_demo)

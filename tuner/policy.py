@@ -20,6 +20,7 @@ Example::
     interval: 5m
     min_dwell: 30m
     safety_factor: 2
+    grow_copy_fraction: 1.0   # share of live KV a grow copies (1.0: an upper bound)
     mode: recommend
     calibration: default
     # the sidecar (`blocktune serve`); every section below is optional
@@ -300,6 +301,16 @@ class Policy(Section):
     interval: Duration = timedelta(minutes=5)
     min_dwell: DwellDuration = timedelta(minutes=30)
     safety_factor: float = Field(default=2.0, ge=1.0)
+    grow_copy_fraction: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "share of the live KV a grow of the block size copies, for the swap cost: 1.0 "
+            "bounds it from above; blocktune's engine, whose allocator keeps runs aligned, "
+            "copied none of it on Azure conversation lengths (bench/hot_swap.py)"
+        ),
+    )
     mode: Literal["recommend", "enforce"] = "recommend"
     calibration: str = Field(
         default="default", min_length=1, description="'default' or a YAML path"

@@ -14,10 +14,10 @@ Gain [s] = tokens expected in the next interval x (J(current) - J(best)), with
 the tokens taken from the window's observed output rate, capped by what a
 saturated engine at J(current) could generate in one interval.
 Swap cost [s] = bytes to move / calibrated copy bandwidth. A shrink (B -> B/2^k)
-moves nothing: each old block is a run of new ones. A grow is priced as if
-every live token had to be copied (the allocator's buddy runs usually avoid
-most of it, so this bounds the cost from above): the useful tokens the budget
-holds at the current size times the KV bytes per token.
+moves nothing: each old block is a run of new ones. A grow is priced as
+`policy.grow_copy_fraction` (default 1.0, an upper bound; blocktune's aligned
+allocator usually copies nothing) of the useful tokens the budget holds at the
+current size, times the KV bytes per token.
 """
 
 from __future__ import annotations
@@ -190,5 +190,6 @@ class Selector:
     def _swap_cost_s(self, current: CandidateCost, best: CandidateCost) -> float:
         if best.block_size < current.block_size:
             return 0.0
-        moved = current.capacity_tokens * self.policy.model.kv_bytes_per_token
+        live = current.capacity_tokens * self.policy.model.kv_bytes_per_token
+        moved = live * self.policy.grow_copy_fraction
         return moved / self.cost_model.calibration.copy_bandwidth_bytes_per_s
