@@ -118,7 +118,14 @@ def simulate(
 
 
 class _Server:
-    """The state of one simulated server (see the module docstring)."""
+    """The state of one simulated server (see the module docstring).
+
+    Running requests are kept in arrays that do not change from step to step:
+    with G the steps run so far, request j holds ``base[j] + G`` tokens and
+    generates its last token in step ``last[j]``; `base_counts[r]` counts the
+    running requests with ``base % B == r`` (those needing a new block in the
+    steps where G + 1 + base is a multiple of B).
+    """
 
     def __init__(
         self,
@@ -137,8 +144,10 @@ class _Server:
         self.first_token = np.full(n, np.nan)
         self.finish = np.full(n, np.nan)
         self.generated = np.zeros(n, dtype=np.int64)
-        # Running requests, oldest admission first: row, held tokens, tokens left, shared blocks.
-        self.ids, self.ctx, self.rem, self.shared = _EMPTY, _EMPTY, _EMPTY, _EMPTY
+        # Running requests, oldest admission first: row, base, last step, shared blocks.
+        self.ids, self.base, self.last, self.shared = _EMPTY, _EMPTY, _EMPTY, _EMPTY
+        self.steps = 0  # G
+        self.sum_base = 0
         self.sum_shared = 0
         self.table_blocks = 0  # sum over running requests of ceil(held / B)
         self.refs: dict[tuple[int, int], int] = {}  # prefix blocks held, with their refcounts
@@ -150,11 +159,12 @@ class _Server:
         self.next_arrival = 0
         self.t = 0.0
         self.next_boundary = 1
-        self.counters = {"steps": 0, "preemptions": 0, "swaps": 0, "alloc": 0, "used": 0}
+        self.counters = {"preemptions": 0, "swaps": 0, "alloc": 0, "used": 0}
         self.peak_bytes = self.peak_blocks = 0
         self.kv_byte_s = self.busy_s = self.pause_s = 0.0
         self.prefill_tokens = 0  # prompt tokens computed in the coming step
         self.switches: list[tuple[int, float, int]] = []
+        self._offsets = np.arange(HORIZON_STEPS, dtype=np.int64)
         self._set_block_size(block_size)
         self.initial_block_size = block_size
         largest = int(workload.total_tokens.max())
@@ -174,15 +184,14 @@ class _Server:
                 self.next_arrival += 1
             if self.controller is not None:
                 self._maybe_decide()
-            need = int(np.count_nonzero(self.ctx % self.block_size == 0))
-            admitted = bool(self.waiting) and self._admit(need)
+            admitted = bool(self.waiting) and self._admit()
             if not len(self.ids):
                 assert not self.waiting, "a waiting request does not fit an empty pool"
                 if self.next_arrival == total:
                     break
                 self.t = max(self.t, min(arrivals[self.next_arrival], self._boundary_time()))
                 continue
-            if need > self.num_blocks - self._referenced():
+            if self._need() > self.num_blocks - self._referenced():
                 self._preempt_until_fits()
                 continue
             self._advance(admitted)
@@ -191,7 +200,7 @@ class _Server:
             first_token_s=self.first_token,
             finish_s=self.finish,
             generated=self.generated,
-            steps=self.counters["steps"],
+            steps=self.steps,
             preemptions=self.counters["preemptions"],
             swaps=self.counters["swaps"],
             swap_pause_s=self.pause_s,
@@ -214,6 +223,12 @@ class _Server:
         self.block_size = block_size
         self.num_blocks = self.server.num_blocks(block_size)
         self.cost = self.server.step_cost(block_size)
+        self.base_counts = np.bincount(self.base % block_size, minlength=block_size)
+        self.table_blocks = int((-(-(self.base + self.steps) // block_size)).sum())
+
+    def _need(self) -> int:
+        """New blocks the running requests take in the next step."""
+        return int(self.base_counts[-self.steps % self.block_size])
 
     def _referenced(self) -> int:
         """Blocks held by running requests (shared prefix blocks once)."""
@@ -235,20 +250,23 @@ class _Server:
                 self.evictable[key] = None
 
     def _remove(self, keep: np.ndarray) -> None:
-        self.table_blocks -= int((-(-self.ctx[~keep] // self.block_size)).sum())
-        self.ids, self.ctx = self.ids[keep], self.ctx[keep]
-        self.rem, self.shared = self.rem[keep], self.shared[keep]
+        size, gone = self.block_size, self.base[~keep]
+        self.table_blocks -= int((-(-(gone + self.steps) // size)).sum())
+        self.sum_base -= int(gone.sum())
+        self.base_counts -= np.bincount(gone % size, minlength=size)
+        self.ids, self.base = self.ids[keep], self.base[keep]
+        self.last, self.shared = self.last[keep], self.shared[keep]
         self.sum_shared = int(self.shared.sum())
 
     # ---------------------------------------------------------------- admission
-    def _admit(self, need: int) -> bool:
-        """Admit waiting requests that fit after the running ones' `need` blocks for this
-        step; their prefill time goes into this step. True if any was admitted."""
-        size, w = self.block_size, self.w
-        available = self.num_blocks - self._referenced() - need
+    def _admit(self) -> bool:
+        """Admit waiting requests that fit after the running ones' blocks for this step;
+        their prefill time goes into this step. True if any was admitted."""
+        size, w, steps = self.block_size, self.w, self.steps
+        available = self.num_blocks - self._referenced() - self._need()
         if self.blocked and self.blocked[0] == self.waiting[0] and self.blocked[1] > available:
             return False
-        rows, ctxs, rems, shares, prefill = [], [], [], [], 0
+        rows, bases, lasts, shares, prefill = [], [], [], [], 0
         while self.waiting:
             request = self.waiting[0]
             held = int(w.prompt_tokens[request] + self.generated[request])
@@ -270,25 +288,29 @@ class _Server:
                 self.keys_of[request] = keys
             prefill += held - (held_hits + cached_hits) * size
             rows.append(request)
-            ctxs.append(held)
-            rems.append(int(w.output_tokens[request] - self.generated[request]))
+            bases.append(held - steps)
+            lasts.append(steps + int(w.output_tokens[request] - self.generated[request]))
             shares.append(shared)
-        if rows:
-            self.ids = np.concatenate((self.ids, rows))
-            self.ctx = np.concatenate((self.ctx, ctxs))
-            self.rem = np.concatenate((self.rem, rems))
-            self.shared = np.concatenate((self.shared, shares))
-            self.sum_shared += sum(shares)
-            self.table_blocks += sum(-(-c // size) for c in ctxs)
-            self.prefill_tokens = prefill
-            self._evict_to_fit()
-        return bool(rows)
+            self.base_counts[(held - steps) % size] += 1
+            self.table_blocks += -(-held // size)
+        if not rows:
+            return False
+        self.ids = np.concatenate((self.ids, rows))
+        self.base = np.concatenate((self.base, bases))
+        self.last = np.concatenate((self.last, lasts))
+        self.shared = np.concatenate((self.shared, shares))
+        self.sum_base += sum(bases)
+        self.sum_shared += sum(shares)
+        self.prefill_tokens = prefill
+        self._evict_to_fit()
+        return True
 
     def _preempt_youngest(self) -> None:
         """Free the blocks of the latest-arrived running request and queue it first."""
         index = int(np.argmax(self.ids))
         request = int(self.ids[index])
-        self.generated[request] = int(self.ctx[index] - self.w.prompt_tokens[request])
+        held = int(self.base[index]) + self.steps
+        self.generated[request] = held - int(self.w.prompt_tokens[request])
         self._release(request)
         keep = np.ones(len(self.ids), dtype=bool)
         keep[index] = False
@@ -298,26 +320,23 @@ class _Server:
 
     def _preempt_until_fits(self) -> None:
         """Preempt until every running request's block for the next step is free."""
-        while True:
-            need = int(np.count_nonzero(self.ctx % self.block_size == 0))
-            if need <= self.num_blocks - self._referenced():
-                return
+        while self._need() > self.num_blocks - self._referenced():
             self._preempt_youngest()
 
     # ---------------------------------------------------------------- steps
     def _advance(self, admitted: bool) -> None:
         """Run the steps up to the next event, in closed form; finish whoever is done."""
-        size, cost, ctx, n = self.block_size, self.cost, self.ctx, len(self.ctx)
-        first_finish = int(self.rem.min())
+        size, cost, n, steps = self.block_size, self.cost, len(self.ids), self.steps
+        first_finish = int(self.last.min()) - steps
         horizon = min(first_finish, HORIZON_STEPS)
-        steps = np.arange(1, horizon + 1)
-        phases = np.bincount((-ctx) % size, minlength=size)
-        table_blocks = self.table_blocks + np.cumsum(phases[(steps - 1) % size])
+        offsets = self._offsets[:horizon]
+        new_blocks = self.base_counts[(-steps - offsets) % size]
+        table_blocks = self.table_blocks + np.cumsum(new_blocks)
         duplicates = self.sum_shared - len(self.refs)
         referenced = table_blocks - duplicates
-        held = int(ctx.sum())
-        step_s = cost.per_block_s * table_blocks + cost.per_token_s * n * steps
-        step_s += cost.fixed_s + cost.per_token_s * held + cost.per_sequence_s * n
+        held = self.sum_base + n * steps  # tokens held before these steps
+        step_s = cost.per_block_s * table_blocks + (cost.per_token_s * n) * offsets
+        step_s += cost.fixed_s + cost.per_token_s * (held + n) + cost.per_sequence_s * n
         if admitted:
             step_s[0] += self.prefill_tokens * cost.prefill_s_per_token
         ends = self.t + np.cumsum(step_s)
@@ -338,10 +357,9 @@ class _Server:
             self.first_token[self.ids[new]] = ends[0]
         self.t = float(ends[k - 1])
         self.table_blocks = int(table_blocks[k - 1])
-        self.ctx = ctx + k
-        self.rem = self.rem - k
+        self.steps = steps + k
         if k == first_finish:
-            self._finish(self.rem == 0)
+            self._finish(self.last == self.steps)
         self._evict_to_fit()
 
     def _finish(self, done: np.ndarray) -> None:
@@ -362,7 +380,6 @@ class _Server:
     ) -> None:
         """Add a stretch of steps to the counters (blocks held and times per step)."""
         size, counters = self.block_size, self.counters
-        counters["steps"] += len(referenced)
         counters["alloc"] += int(referenced.sum()) * size
         counters["used"] += unique_tokens
         peak = int(referenced[-1])
@@ -385,7 +402,8 @@ class _Server:
     def _swap(self, boundary: int, new_size: int) -> None:
         """Rebuild the running requests' blocks at `new_size`; pause for the copy."""
         old_size = self.block_size
-        live_tokens = int(self.ctx.sum()) - (self.sum_shared - len(self.refs)) * old_size
+        held = self.sum_base + len(self.ids) * self.steps
+        live_tokens = held - (self.sum_shared - len(self.refs)) * old_size
         pause = (
             self.server.swap_pause_s(live_tokens, old_size, new_size)
             if self.controller.charges_swaps
@@ -403,7 +421,6 @@ class _Server:
                 for key in keys:
                     self.refs[key] = self.refs.get(key, 0) + 1
         self.sum_shared = int(self.shared.sum())
-        self.table_blocks = int((-(-self.ctx // new_size)).sum())
         while self._referenced() > self.num_blocks:
             self._preempt_youngest()
         self.kv_byte_s += held_bytes * pause

@@ -1,0 +1,68 @@
+"""How fast the replay simulator is on a large trace (a benchmark, not a test).
+
+Generates the synthetic customer-service day scaled to about `--requests`
+requests (default one million) and replays it under every policy of
+`--policy` (static sizes, adaptive, oracle) exactly as `blocktune replay`
+does. Prints the time to build the trace, the wall-clock time of each
+policy's simulation with microseconds per request and simulated engine steps
+per second, and the policy table.
+
+    python bench/replay.py [--requests 1000000] [--policy policies/default.yaml] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from blocktune.traces.synth import CUSTOMER_SERVICE_PHASES, customer_service_day
+from blocktune.tuner.calibration import default_calibration, load_calibration
+from blocktune.tuner.policy import load_policy
+from blocktune.tuner.replay import replay
+from blocktune.tuner.replay_report import format_table
+
+DEFAULT_POLICY = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
+
+
+def requests_per_day() -> float:
+    """Expected requests of the default day at rate scale 1 (each phase's mean rate x span)."""
+    return sum(p.rate_per_s * (p.end_h - p.start_h) * 3600 for p in CUSTOMER_SERVICE_PHASES)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=1_000_000, help="about this many")
+    parser.add_argument("--policy", type=Path, default=DEFAULT_POLICY, help="policy YAML")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic day")
+    args = parser.parse_args()
+    policy = load_policy(args.policy)
+    path = policy.calibration_path(args.policy.parent)
+    calibration = default_calibration() if path is None else load_calibration(path)
+    scale = args.requests / requests_per_day()
+    start = time.perf_counter()
+    day = customer_service_day(args.seed, rate_scale=scale)
+    built = time.perf_counter() - start
+    print(
+        f"trace: synthetic customer-service day, seed {args.seed}, rate scale {scale:.3f}: "
+        f"{len(day)} requests, {int(day.output_tokens.sum())} output tokens "
+        f"(built in {built:.1f} s)"
+    )
+    print(f"policy: {policy.deployment} ({args.policy.name}); {calibration.describe()}")
+    start = time.perf_counter()
+    report = replay(day, policy, calibration, label="benchmark day", progress=True)
+    total = time.perf_counter() - start
+    print(f"{'policy':<11}{'replay s':>10}{'us/request':>12}{'steps':>10}{'steps/s':>11}")
+    for result in report.results:
+        steps = report.runs[result.policy].steps
+        print(
+            f"{result.policy:<11}{result.replay_s:>10.1f}"
+            f"{result.replay_s / len(day) * 1e6:>12.1f}{steps:>10}{steps / result.replay_s:>11.0f}"
+        )
+    simulated = sum(r.replay_s for r in report.results)
+    print(f"all policies: {total:.1f} s ({total - simulated:.1f} s outside the simulations)")
+    print(format_table(report))
+
+
+if __name__ == "__main__":
+    main()
