@@ -124,6 +124,8 @@ class ClosedLoopReport:
     timeline: list[dict] = field(default_factory=list)
     identical: int = 0
     verified: int = 0
+    restart: dict | None = None
+    idle_blocks_used: int | None = None
 
     @property
     def swaps_done(self) -> int:
@@ -202,16 +204,23 @@ def run_closed_loop(
     rate_per_s: float = 2.0,
     seed: int = 0,
     kv_bytes: str = "64MiB",
+    restart_sidecar_at_s: float | None = None,
     out=print,
 ) -> ClosedLoopReport:
-    """Run the demo; returns its report (`report.ok` is the verification's verdict)."""
+    """Run the demo; returns its report (`report.ok` is the verification's verdict).
+
+    With `restart_sidecar_at_s`, the sidecar is stopped (SIGTERM) at that time and
+    started again on the same state file while traffic continues.
+    """
     from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
     from blocktune.runtime.model import load_model
 
     workload = demo_workload(seed, duration_s, rate_per_s)
     report = ClosedLoopReport(requests=len(workload))
     token = secrets.token_urlsafe(24)
-    env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    # One intra-op thread each: the tiny model gains nothing from more, and three
+    # processes sharing a small machine would otherwise oversubscribe its cores.
+    env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     worker_url = f"http://127.0.0.1:{_free_port()}"
     sidecar_url = f"http://127.0.0.1:{_free_port()}"
     cli = [sys.executable, "-m", "blocktune.tuner.cli"]
@@ -232,10 +241,9 @@ def run_closed_loop(
             f"closed loop: {len(workload)} requests over {duration_s:.0f} s (daytime mix -> "
             f"promotion burst -> daytime mix), sidecar deciding every {interval_s:g} s"
         )
-        with (
-            _process(worker_args, env, folder / "worker.log") as worker,
-            _process(sidecar_args, env, folder / "sidecar.log") as sidecar,
-        ):
+        with contextlib.ExitStack() as stack:
+            worker = stack.enter_context(_process(worker_args, env, folder / "worker.log"))
+            sidecar = stack.enter_context(_process(sidecar_args, env, folder / "sidecar.log"))
             _wait_healthy(worker_url, worker, folder / "worker.log", 120)
             _wait_healthy(sidecar_url, sidecar, folder / "sidecar.log", 60)
             out(f"worker {worker_url} (tiny-random model), sidecar {sidecar_url}")
@@ -243,17 +251,32 @@ def run_closed_loop(
             traffic = _drive(worker_url, workload, report)
             while traffic.is_alive():
                 traffic.join(timeout=interval_s)
+                elapsed = time.monotonic() - start
+                if restart_sidecar_at_s is not None and elapsed >= restart_sidecar_at_s:
+                    restart_sidecar_at_s = None
+                    before = _window_count(sidecar_url)
+                    sidecar.send_signal(signal.SIGTERM)
+                    sidecar.wait(timeout=15)
+                    log = folder / "sidecar-restarted.log"
+                    sidecar = stack.enter_context(_process(sidecar_args, env, log))
+                    _wait_healthy(sidecar_url, sidecar, log, 60)
+                    report.restart = {"before": before, "after": _window_count(sidecar_url)}
+                    out(
+                        f"sidecar restarted: window held {before} requests before, "
+                        f"{report.restart['after']} after restoring its state file"
+                    )
                 line, point, new = _live_line(
-                    time.monotonic() - start, workload, worker_url, sidecar_url, len(report.swaps)
+                    elapsed, workload, worker_url, sidecar_url, len(report.swaps)
                 )
                 report.timeline.append(point)
                 report.swaps.extend(new)
                 out(line)
             state = httpx.get(f"{worker_url}/admin/state", timeout=5).json()
+            report.idle_blocks_used = state["blocks_used"]
     out(
         f"done: {len(report.completions)} completions, {report.failed} failed, "
         f"{report.swaps_done} swaps ({', '.join(_swap_text(s) for s in report.swaps) or 'none'}), "
-        f"{state['blocks_used']} blocks in use when idle"
+        f"{report.idle_blocks_used} blocks in use when idle"
     )
     out("verifying every completion against an engine that never swaps ...")
     engine = Engine(
@@ -270,6 +293,11 @@ def run_closed_loop(
             report.identical += report.completions[index] == output.token_ids
     out(f"{report.identical}/{report.requests} completions identical to the run without swaps")
     return report
+
+
+def _window_count(sidecar_url: str) -> int:
+    window = httpx.get(f"{sidecar_url}/v1/window", timeout=5).json()
+    return int(window["count"])
 
 
 def _swap_text(swap: dict) -> str:
