@@ -1,12 +1,15 @@
 """A continuous-batching server with a paged KV cache, simulated by jumping between events.
 
-The engine it models (`blocktune.runtime.engine`, with the cost model's step
-convention): every step
+The engine it models is `blocktune.runtime.engine`, with the cost model's step
+convention (a request generates a token in its admission step too, so it holds
+p + t tokens in its t-th step, as `tuner.block_replay` and the cost model count
+it). Every step
 
 1. admits waiting requests, oldest first (preempted ones go back to the
    front), while the blocks they need for this step are free, after the blocks
-   the running requests need for this step; a request's leading full prefix
-   blocks are taken from the prefix cache when present (block granularity);
+   the running requests need for this step; each of a request's shareable
+   prefix blocks (`Workload.shared_blocks`) is taken from the prefix cache when
+   present there (blocks are matched one by one, by their chained key);
 2. prefills what is not cached (a preempted request recomputes its prompt and
    the tokens it had generated);
 3. generates one token for every running request, the admitted ones included,
@@ -15,8 +18,8 @@ convention): every step
    freed) until the rest fit;
 4. frees the blocks of requests that generated their last token.
 
-A request of p prompt and o output tokens thus spends o steps in the batch,
-holding p + t tokens in its t-th step. Prefix blocks are reference-counted; a
+A request of p prompt and o output tokens thus spends o steps in the batch
+unless preempted. Prefix blocks are reference-counted; a
 block no request holds stays cached until a new block needs its slot (least
 recently released first). Requests of a `Workload` must fit the pool alone.
 
@@ -74,9 +77,10 @@ class Progress(Protocol):
 class Run:
     """What one simulated policy did: per-request times and the integrated counters.
 
-    Times are seconds of trace time; `first_token_s` and `finish_s` per workload
-    row; slot-steps are token slots summed over steps; `kv_byte_s` integrates
-    the KV bytes held over time. `switches` lists (boundary, time, new size).
+    `block_size` is the size the run started at. Times are seconds of trace
+    time; `first_token_s` and `finish_s` are per workload row; slot-steps are
+    token slots summed over steps; `kv_byte_s` integrates the KV bytes held over
+    time. `switches` lists (boundary, time, new size).
     """
 
     block_size: int
