@@ -167,11 +167,22 @@ def test_bad_requests_are_named():
 
 
 def test_requests_longer_than_the_pool_are_left_out():
-    day = customer_service_day(0, rate_scale=0.001)
+    """A 40k-token request cannot fit the 3.5 GiB pool (28k slots): it is counted and left
+    out, and the prefix data of the requests after it stays with its requests."""
+    day = customer_service_day(0, rate_scale=0.01)
     huge = pd.DataFrame({"arrival_s": [1.0], "prompt_tokens": [40_000], "output_tokens": [10]})
     report = replay(pd.concat([day, huge]), POLICY, CALIBRATION)
     assert report.trace["too_long_for_the_pool"] == 1
+    assert report.trace["requests"] == len(day) + 1
     assert report.trace["replayed"] == len(day)
+    workload = report.workload
+    assert report.trace["requests_with_prefix"] == int(day.prefix_group.notna().sum()) > 0
+    assert sorted(workload.chains) == np.flatnonzero(workload.shareable_tokens).tolist()
+    assert all(workload.group[i] is not None for i in workload.chains)
+    for result in report.results:
+        assert result.generated_tokens == int(day.output_tokens.sum())
+    with pytest.raises(ReplayError, match="every request is longer than the KV pool"):
+        replay(huge, POLICY, CALIBRATION)
 
 
 @pytest.mark.skipif(not AZURE.is_file(), reason="the shared Azure trace is not present")

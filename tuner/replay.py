@@ -172,12 +172,14 @@ def replay(
     """
     server = ServerModel(policy, calibration, fixed_step_s)
     initial = _initial(policy, initial_block_size)
-    fits = min(server.capacity_slots(b) for b in policy.candidates)
-    too_long = (frame["prompt_tokens"] + frame["output_tokens"]).to_numpy() > fits
     try:
-        workload = Workload.from_frame(frame[~too_long])
+        loaded = Workload.from_frame(frame)
     except EmptyWorkload as exc:
         raise ReplayError(f"{label}: nothing to replay: {exc}") from None
+    fits = min(server.capacity_slots(b) for b in policy.candidates)
+    workload = loaded.without_longer_than(fits)
+    if not len(workload):
+        raise ReplayError(f"{label}: every request is longer than the KV pool ({fits} token slots)")
     costs = IntervalCosts.of(workload, server.cost_model)
     results, runs = [], {}
 
@@ -207,7 +209,7 @@ def replay(
     run, seconds = play(ORACLE, int(schedule[0]), oracle)
     results.append(PolicyResult.of(ORACLE, None, run, workload, costs.schedule(schedule), seconds))
     return ReplayReport(
-        trace=_trace_summary(label, frame, workload, int(too_long.sum())),
+        trace=_trace_summary(label, workload, len(loaded) - len(workload)),
         policy=_policy_summary(policy, calibration, initial),
         results=results,
         timeline=adaptive.timeline,
@@ -229,10 +231,10 @@ def _initial(policy: Policy, requested: int | None) -> int:
     return requested
 
 
-def _trace_summary(label: str, frame: pd.DataFrame, workload: Workload, too_long: int) -> dict:
+def _trace_summary(label: str, workload: Workload, too_long: int) -> dict:
     return {
         "label": label,
-        "requests": len(frame),
+        "requests": len(workload) + too_long,
         "replayed": len(workload),
         "too_long_for_the_pool": too_long,
         "duration_s": float(workload.arrival_s[-1] - workload.arrival_s[0]),

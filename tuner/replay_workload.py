@@ -88,6 +88,21 @@ class Workload:
             chains=chains,
         )
 
+    def without_longer_than(self, tokens: int) -> Workload:
+        """The requests of at most `tokens` prompt + output tokens (self if that is all)."""
+        keep = self.total_tokens <= tokens
+        if keep.all():
+            return self
+        row = np.cumsum(keep) - 1
+        return Workload(
+            arrival_s=self.arrival_s[keep],
+            prompt_tokens=self.prompt_tokens[keep],
+            output_tokens=self.output_tokens[keep],
+            group=[g for g, k in zip(self.group, keep.tolist(), strict=True) if k],
+            shareable_tokens=self.shareable_tokens[keep],
+            chains={int(row[i]): chain for i, chain in self.chains.items() if keep[i]},
+        )
+
     def __len__(self) -> int:
         return len(self.arrival_s)
 
