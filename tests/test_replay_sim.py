@@ -177,3 +177,13 @@ def test_switches_keep_conservation_and_the_pool_limit():
     assert all(150.0 * b <= t < 150.0 * b + 1 for b, t, _ in run.switches)
     assert run.swaps == 3 and run.swap_pause_s == 0.0
     assert run.peak_kv_bytes <= int(policy.kv_budget)
+
+
+def test_swap_pause_is_the_selectors_swap_cost():
+    """A shrink moves nothing; a grow copies grow_copy_fraction of the live K and V at the
+    calibrated copy bandwidth."""
+    for fraction in (1.0, 0.25, 0.0):
+        server = ServerModel(with_budget(4096, grow_copy_fraction=fraction), CALIBRATION)
+        expected = 1000 * SLOT * fraction / CALIBRATION.copy_bandwidth_bytes_per_s
+        assert server.swap_pause_s(1000, 8, 32) == pytest.approx(expected)
+        assert server.swap_pause_s(1000, 32, 8) == 0.0

@@ -89,9 +89,10 @@ class ServerModel:
         )
 
     def swap_pause_s(self, live_tokens: int, old_block_size: int, new_block_size: int) -> float:
-        """Modelled pause of a block-size swap: a shrink moves nothing; a grow is charged as
-        if every live token were copied (bytes / calibrated copy bandwidth), an upper bound."""
+        """Modelled pause of a block-size swap, as the selector prices it: a shrink moves
+        nothing; a grow copies `policy.grow_copy_fraction` (1.0 by default, an upper bound)
+        of the live tokens' K and V, at the calibrated copy bandwidth."""
         if new_block_size <= old_block_size:
             return 0.0
-        moved = live_tokens * self.kv_bytes_per_slot
+        moved = live_tokens * self.kv_bytes_per_slot * self.policy.grow_copy_fraction
         return moved / self.calibration.copy_bandwidth_bytes_per_s
