@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 demo: $(STAMP)
+	$(BIN)/blocktune replay --policy policies/customer_service_llama8b.yaml --out replay-out
 	$(BIN)/blocktune demo
 
 test: $(STAMP)

@@ -4,16 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["format_bytes", "register"]
-
-
-def format_bytes(value: float) -> str:
-    """Bytes in binary units with one decimal ("1.5 GiB")."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
+__all__ = ["register"]
 
 
 def run_demo(args: argparse.Namespace) -> int:

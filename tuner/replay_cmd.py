@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from blocktune.tuner.recommend import SYNTHETIC
-from blocktune.tuner.trace_cmd import _add_load_arguments
+from blocktune.tuner.trace_cmd import add_load_arguments
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -161,15 +161,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="compare static, adaptive and oracle block sizes on a trace (simulated server)",
         description=run_replay.__doc__,
     )
-    _add_load_arguments(parser)
-    for action in parser._actions:  # the trace is optional here: the embedded day by default
-        if action.dest == "trace":
-            action.nargs, action.default = "?", None
-            action.help = (
-                f"trace file (default, or '{SYNTHETIC}': the embedded customer-service day)"
-            )
-        elif action.dest == "seed":
-            action.help = "seed of the embedded day or of --rate arrivals (default: 0)"
+    add_load_arguments(
+        parser,
+        trace_help=f"trace file (default, or '{SYNTHETIC}': the embedded customer-service day)",
+        trace_optional=True,
+        seed_help="seed of the embedded day or of --rate arrivals (default: 0)",
+    )
     parser.add_argument(
         "--policy",
         default=DEFAULT_POLICY,

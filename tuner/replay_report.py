@@ -12,7 +12,6 @@ import json
 import math
 from pathlib import Path
 
-from blocktune.tuner.demo import format_bytes
 from blocktune.tuner.replay import ADAPTIVE, ORACLE, ReplayReport, static_name
 
 __all__ = [
@@ -39,6 +38,15 @@ RESULT_KEYS = (
     "objective",
 )
 REFERENCE_BLOCK_SIZE = 16  # vLLM's default, the static size the seed compares against
+
+
+def format_bytes(value: float) -> str:
+    """Bytes in binary units with one decimal ("1.5 GiB")."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
 
 
 def _number(value: object) -> object:

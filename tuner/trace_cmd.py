@@ -80,10 +80,20 @@ def run_synth(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
+def add_load_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    trace_help: str = "trace file to read",
+    trace_optional: bool = False,
+    seed_help: str = "seed of the generated arrivals (default: 0)",
+) -> None:
+    """The TRACE argument and the loader flags (format, strictness, column mapping)."""
     from blocktune.traces.formats import FORMATS, TIME_UNITS
 
-    parser.add_argument("trace", metavar="TRACE", help="trace file to read")
+    if trace_optional:
+        parser.add_argument("trace", metavar="TRACE", nargs="?", default=None, help=trace_help)
+    else:
+        parser.add_argument("trace", metavar="TRACE", help=trace_help)
     parser.add_argument(
         "--format",
         choices=FORMATS,
@@ -100,9 +110,7 @@ def _add_load_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="generate Poisson arrivals at this many requests/s (needed by --format lengths)",
     )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the generated arrivals (default: 0)"
-    )
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
     parser.add_argument(
         "--time-col", help="arrival time column of a csv/jsonl/parquet trace (default: arrival_s)"
     )
@@ -141,7 +149,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="row counts, skipped rows and length percentiles of a trace",
         description=run_summary.__doc__,
     )
-    _add_load_arguments(summary)
+    add_load_arguments(summary)
     summary.set_defaults(handler=run_summary)
     synth = actions.add_parser(
         "synth", help="write the synthetic customer-service day", description=run_synth.__doc__
