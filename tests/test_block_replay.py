@@ -1,11 +1,10 @@
-"""The synthetic customer-service day and the demo's block-manager replay."""
+"""The synthetic customer-service day and the block-manager replay."""
 
 import numpy as np
 import pandas as pd
 
 from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.block_replay import replay_block_manager
-from blocktune.tuner.cli import main
 
 
 def test_day_is_deterministic_and_has_its_phases():
@@ -61,11 +60,3 @@ def test_replay_smaller_blocks_pad_less_on_the_demo_workload():
     ratios = [replay_block_manager(day, b).padding_ratio for b in (8, 16, 32, 64)]
     assert ratios == sorted(ratios)
     assert 0 < ratios[0] < ratios[-1] < 1
-
-
-def test_demo_prints_a_row_per_block_size(capsys):
-    assert main(["demo", "--duration", "300", "--rate-scale", "0.005"]) == 0
-    out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.strip()[:2].strip().isdigit()]
-    assert [int(r[0]) for r in rows] == [8, 16, 32, 64]
-    assert "128.0 KiB of K+V per token" in out
