@@ -28,13 +28,14 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from blocktune.tuner.policy import DTYPE_BYTES
+from blocktune.tuner.policy import DTYPE_BYTES, Policy
 from blocktune.tuner.yaml_config import ConfigError, load_yaml_model
 
 __all__ = [
     "ANALYTIC_FILE",
     "Calibration",
     "CalibrationError",
+    "calibration_for",
     "KernelCoefficients",
     "KernelShape",
     "Provenance",
@@ -199,3 +200,9 @@ def default_calibration(folder: Path | None = None) -> Calibration:
     if not analytic.is_file():
         raise ConfigError(analytic, [f"{analytic}: no measured calibration and no analytic model"])
     return load_calibration(analytic)
+
+
+def calibration_for(policy: Policy, policy_dir: Path) -> Calibration:
+    """The calibration a policy names (relative to its folder), or the bundled default."""
+    path = policy.calibration_path(policy_dir)
+    return default_calibration() if path is None else load_calibration(path)

@@ -10,11 +10,7 @@ __all__ = ["check_policy", "register"]
 
 def check_policy(path: Path) -> list[str]:
     """Every problem of one policy file (schema first, then its calibration); [] if none."""
-    from blocktune.tuner.calibration import (
-        CalibrationError,
-        default_calibration,
-        load_calibration,
-    )
+    from blocktune.tuner.calibration import CalibrationError, calibration_for
     from blocktune.tuner.policy import load_policy
     from blocktune.tuner.yaml_config import ConfigError
 
@@ -22,13 +18,8 @@ def check_policy(path: Path) -> list[str]:
         policy = load_policy(path)
     except ConfigError as exc:
         return list(exc.problems)
-    calibration_file = policy.calibration_path(path.parent)
     try:
-        if calibration_file is None:
-            calibration = default_calibration()
-        else:
-            calibration = load_calibration(calibration_file)
-        calibration.require(policy.candidates)
+        calibration_for(policy, path.parent).require(policy.candidates)
     except ConfigError as exc:
         return [f"{path}: calibration: {problem}" for problem in exc.problems]
     except CalibrationError as exc:

@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from blocktune.tuner.trace_cmd import SYNTHETIC, add_load_arguments, load_from_args
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -25,8 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["format_table", "recommend", "register", "to_json"]
 
-SYNTHETIC = "synthetic"
-TRACE_FORMATS = ("auto", "azure", "burstgpt", "mooncake", "lengths", "csv", "jsonl", "parquet")
 DEFAULT_CURRENT = 16  # vLLM's default block size
 
 
@@ -143,15 +143,13 @@ def to_json(decision: Decision, snapshot: WindowSnapshot, **extra: object) -> st
 
 
 def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
-    if args.format == SYNTHETIC or (args.format == "auto" and args.trace == SYNTHETIC):
+    if args.trace == SYNTHETIC:
         from blocktune.traces.synth import customer_service_day
 
         frame = customer_service_day(args.seed)
         label = f"synthetic customer-service day (seed {args.seed})"
     else:
-        from blocktune.traces.loaders import load_trace
-
-        loaded = load_trace(args.trace, args.format, rate=args.rate, seed=args.seed)
+        loaded = load_from_args(args)
         frame, label = loaded.frame, f"{args.trace} (format {loaded.format})"
     if args.phase is not None:
         if "phase" not in frame:
@@ -167,18 +165,13 @@ def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
 def run_recommend(args: argparse.Namespace) -> int:
     """Price every candidate block size for a trace under a policy and print the choice."""
     from blocktune.traces.schema import TraceError
-    from blocktune.tuner.calibration import (
-        CalibrationError,
-        default_calibration,
-        load_calibration,
-    )
+    from blocktune.tuner.calibration import CalibrationError, calibration_for
     from blocktune.tuner.policy import load_policy
     from blocktune.tuner.yaml_config import ConfigError
 
     try:
         policy = load_policy(args.policy)
-        path = policy.calibration_path(Path(args.policy).parent)
-        calibration = default_calibration() if path is None else load_calibration(path)
+        calibration = calibration_for(policy, Path(args.policy).parent)
         frame, label = _load_frame(args)
         decision, snapshot = recommend(
             frame, policy, calibration, current_block_size=args.current, last=args.last
@@ -216,14 +209,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="price every candidate block size for a trace and recommend one",
         description=run_recommend.__doc__,
     )
-    parser.add_argument(
-        "trace", help=f"trace file, or '{SYNTHETIC}' for the synthetic customer-service day"
-    )
-    parser.add_argument(
-        "--format",
-        default="auto",
-        choices=(*TRACE_FORMATS, SYNTHETIC),
-        help="trace format (default: auto, from the file's name and header)",
+    add_load_arguments(
+        parser,
+        trace_help=f"trace file, or '{SYNTHETIC}' for the synthetic customer-service day",
+        seed_help="seed of the synthetic day or of --rate arrivals (default: 0)",
     )
     parser.add_argument("--policy", required=True, help="policy YAML file (see policies/)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -243,14 +232,5 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--phase", default=None, help="keep one phase of the synthetic day (day, promo, ...)"
-    )
-    parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the synthetic day or of --rate arrivals"
-    )
-    parser.add_argument(
-        "--rate",
-        type=float,
-        default=None,
-        help="requests/s of generated Poisson arrivals (needed by the 'lengths' format)",
     )
     parser.set_defaults(handler=run_recommend)

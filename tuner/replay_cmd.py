@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blocktune.tuner.recommend import SYNTHETIC
-from blocktune.tuner.trace_cmd import add_load_arguments
+from blocktune.tuner.trace_cmd import SYNTHETIC, add_load_arguments, load_from_args
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -44,20 +43,7 @@ def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
             f"rate scale {args.rate_scale:g})"
         )
         return frame, label
-    from blocktune.traces.loaders import load_trace
-
-    loaded = load_trace(
-        args.trace,
-        args.format,
-        strict=args.strict,
-        rate=args.rate,
-        seed=args.seed,
-        time_col=args.time_col,
-        time_unit=args.time_unit,
-        prompt_col=args.prompt_col,
-        output_col=args.output_col,
-        chunksize=args.chunksize,
-    )
+    loaded = load_from_args(args)
     skipped = sum(loaded.skipped.values())
     if skipped:
         reasons = ", ".join(f"{reason} {count}" for reason, count in loaded.skipped.items())
@@ -74,11 +60,7 @@ def run_replay(args: argparse.Namespace) -> int:
     policy interval of trace time) and the hindsight oracle. Prints one row per policy."""
     from blocktune.traces.schema import TraceError
     from blocktune.traces.synth import WorkloadError
-    from blocktune.tuner.calibration import (
-        CalibrationError,
-        default_calibration,
-        load_calibration,
-    )
+    from blocktune.tuner.calibration import CalibrationError, calibration_for
     from blocktune.tuner.policy import load_policy
     from blocktune.tuner.replay import ADAPTIVE, ReplayError, replay
     from blocktune.tuner.replay_plots import write_plots
@@ -87,8 +69,7 @@ def run_replay(args: argparse.Namespace) -> int:
 
     try:
         policy = load_policy(args.policy)
-        path = policy.calibration_path(Path(args.policy).parent)
-        calibration = default_calibration() if path is None else load_calibration(path)
+        calibration = calibration_for(policy, Path(args.policy).parent)
         frame, label = _load(args)
         if args.json != "-":
             _print_setup(frame, label, policy, args.policy, calibration.describe())

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from blocktune.tuner.actuator import SWAP_STATUSES, EngineActuator, HttpActuator
-from blocktune.tuner.calibration import Calibration, default_calibration, load_calibration
+from blocktune.tuner.calibration import Calibration, calibration_for
 from blocktune.tuner.collector import Collector
 from blocktune.tuner.jsonl_source import JsonlLogFollower
 from blocktune.tuner.policy import Policy
@@ -121,7 +121,9 @@ class Sidecar:
         self.policy = policy
         self.engine = engine
         self.window = LengthWindow(policy.window.capacity)
-        self.selector = Selector(policy, calibration or _calibration(policy, base), clock=time.time)
+        self.selector = Selector(
+            policy, calibration or calibration_for(policy, base), clock=time.time
+        )
         self.actuator = self._actuator(policy, engine)
         self.collector = Collector(
             self.window,
@@ -487,8 +489,3 @@ class Sidecar:
             block_size=saved.current_block_size,
             saved_at=saved.saved_at,
         )
-
-
-def _calibration(policy: Policy, base: Path) -> Calibration:
-    path = policy.calibration_path(base)
-    return default_calibration() if path is None else load_calibration(path)

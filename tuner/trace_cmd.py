@@ -14,21 +14,10 @@ def run_summary(args: argparse.Namespace) -> int:
     """Load a trace and print its row counts, skipped rows by reason and length percentiles."""
     import numpy as np
 
-    from blocktune.traces.loaders import TraceError, load_trace
+    from blocktune.traces.loaders import TraceError
 
     try:
-        trace = load_trace(
-            args.trace,
-            args.format,
-            strict=args.strict,
-            rate=args.rate,
-            seed=args.seed,
-            time_col=args.time_col,
-            time_unit=args.time_unit,
-            prompt_col=args.prompt_col,
-            output_col=args.output_col,
-            chunksize=args.chunksize,
-        )
+        trace = load_from_args(args)
     except TraceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -78,6 +67,28 @@ def run_synth(args: argparse.Namespace) -> int:
         f"to {args.out} as {container}"
     )
     return 0
+
+
+SYNTHETIC = "synthetic"
+"""The TRACE name that stands for the embedded synthetic customer-service day."""
+
+
+def load_from_args(args: argparse.Namespace):
+    """`load_trace` with the flags of `add_load_arguments` (raises `TraceError`)."""
+    from blocktune.traces.loaders import load_trace
+
+    return load_trace(
+        args.trace,
+        args.format,
+        strict=args.strict,
+        rate=args.rate,
+        seed=args.seed,
+        time_col=args.time_col,
+        time_unit=args.time_unit,
+        prompt_col=args.prompt_col,
+        output_col=args.output_col,
+        chunksize=args.chunksize,
+    )
 
 
 def add_load_arguments(
