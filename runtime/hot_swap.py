@@ -192,7 +192,10 @@ class PreparedSwap:
 
 def _stage(kv: KVCache, plan: SwapPlan) -> list[tuple[torch.Tensor, torch.Tensor]]:
     slots = _pair_slots(plan, 0).to(kv.k[0].device)
-    return [(k[slots].clone(), v[slots].clone()) for k, v in zip(kv.k, kv.v, strict=True)]
+    return [
+        (k.index_select(0, slots), v.index_select(0, slots))
+        for k, v in zip(kv.k, kv.v, strict=True)
+    ]
 
 
 def _pair_slots(plan: SwapPlan, side: int) -> torch.Tensor:
