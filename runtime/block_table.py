@@ -78,16 +78,18 @@ class BlockTable:
         return self.host[row, : self.lengths[row]].tolist()
 
     def sync(self) -> int:
-        """Upload the changed rows in one transfer; returns how many rows moved."""
+        """Upload the changed rows in one transfer; returns how many rows moved.
+
+        The staged rows carry their row index in an extra first column, so the
+        indices travel in the same transfer as the block ids.
+        """
         if not self._dirty:
             return 0
-        rows = np.fromiter(sorted(self._dirty), dtype=np.int64, count=len(self._dirty))
-        staged = torch.from_numpy(self.host[rows])
-        index = torch.from_numpy(rows)
+        rows = np.fromiter(sorted(self._dirty), dtype=np.int32, count=len(self._dirty))
+        staged = torch.from_numpy(np.concatenate([rows[:, None], self.host[rows]], axis=1))
         if self.device.type == "cuda":
             staged = staged.pin_memory().to(self.device, non_blocking=True)
-            index = index.pin_memory().to(self.device, non_blocking=True)
-        self.device_table.index_copy_(0, index, staged)
+        self.device_table.index_copy_(0, staged[:, 0].long(), staged[:, 1:])
         self._dirty.clear()
         return len(rows)
 

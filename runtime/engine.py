@@ -47,6 +47,7 @@ __all__ = [
     "FinishedRequest",
     "RequestError",
     "RequestOutput",
+    "RequestTooLarge",
     "SamplingParams",
 ]
 
@@ -56,6 +57,10 @@ log = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request the engine cannot serve; the message names the bad value."""
+
+
+class RequestTooLarge(RequestError):
+    """A request whose tokens could never fit in the KV pool, even alone."""
 
 
 @dataclass(frozen=True)
@@ -256,7 +261,7 @@ class Engine:
         stored = min(len(prompt) + params.max_tokens, limit) - 1
         needed = -(-stored // self.block_size)
         if needed > self.blocks.num_blocks:
-            raise RequestError(
+            raise RequestTooLarge(
                 f"the request can hold up to {stored} tokens ({needed} blocks of "
                 f"{self.block_size}) but the pool has only {self.blocks.num_blocks} blocks"
             )

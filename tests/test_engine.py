@@ -10,6 +10,7 @@ from blocktune.runtime.engine import (
     EngineConfig,
     FinishedRequest,
     RequestError,
+    RequestTooLarge,
     SamplingParams,
 )
 from blocktune.runtime.model import load_model
@@ -145,7 +146,7 @@ def test_bad_requests_raise_and_engine_keeps_serving(model, prompt, params, need
 
 def test_request_that_can_never_fit_is_rejected(model):
     engine = Engine(model, EngineConfig(block_size=8, num_blocks=4, max_model_len=512))
-    with pytest.raises(RequestError, match="only 4 blocks"):
+    with pytest.raises(RequestTooLarge, match="only 4 blocks"):
         engine.add_request(list(range(20)), SamplingParams(max_tokens=40))
 
 
