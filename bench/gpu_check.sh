@@ -6,7 +6,10 @@
 #   bash bench/gpu_check.sh [OUT_DIR] [AZURE_TRACE_CSV]
 #
 # Works from a plain checkout with torch and triton installed (no `pip install` needed):
-# the package is imported through a temporary `blocktune` link to the checkout.
+# the package is imported through a temporary `blocktune` link to the checkout. A machine
+# without network access that lacks pydantic (needed by `blocktune calibrate`) can be given
+# wheels in `.whl/` at the repository root (pydantic, pydantic-core, annotated-types,
+# typing-inspection for its Python); they are installed into a temporary folder.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-$repo/gpu-check-out}}
@@ -17,6 +20,10 @@ ln -s "$repo" "$pkg/blocktune"
 export PYTHONPATH="$pkg${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 py=${PYTHON:-python3}
+if ! "$py" -c "import pydantic" 2>/dev/null && compgen -G "$repo/.whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$pkg/site" "$repo"/.whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:$pkg/site"
+fi
 status=0
 step() {  # step NAME TIMEOUT COMMAND... : run, log to $out/NAME.log, remember failures
     local name=$1 limit=$2
