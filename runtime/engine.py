@@ -258,13 +258,19 @@ class Engine:
             raise RequestError(f"temperature must be >= 0, got {params.temperature}")
         if not 0 < params.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
-        stored = min(len(prompt) + params.max_tokens, limit) - 1
+        if params.seed is not None and not 0 <= params.seed < 2**63:
+            raise RequestError(f"seed must be in [0, 2**63), got {params.seed}")
+        stored = self._max_stored_tokens(len(prompt), params)
         needed = -(-stored // self.block_size)
         if needed > self.blocks.num_blocks:
             raise RequestTooLarge(
                 f"the request can hold up to {stored} tokens ({needed} blocks of "
                 f"{self.block_size}) but the pool has only {self.blocks.num_blocks} blocks"
             )
+
+    def _max_stored_tokens(self, prompt_tokens: int, params: SamplingParams) -> int:
+        """The most tokens a request ever holds KV for (its last token never needs a slot)."""
+        return min(prompt_tokens + params.max_tokens, self.config.max_model_len) - 1
 
     def cancel(self, request_id: int) -> bool:
         """Drop a request and free its blocks now; False if it is unknown or already done."""
@@ -287,7 +293,14 @@ class Engine:
         """Serve the prompts to completion; one final output per prompt, in order."""
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids: list[int] = []
+        try:
+            for prompt, prompt_params in zip(prompts, params, strict=True):
+                ids.append(self.add_request(prompt, prompt_params))
+        except RequestError:
+            for request_id in ids:  # all or nothing: leave no earlier prompt queued
+                self.cancel(request_id)
+            raise
         final: dict[int, RequestOutput] = {}
         while any(i not in final for i in ids):
             for output in self.step():
@@ -409,7 +422,11 @@ class Engine:
             except queue.Empty:
                 return
             start = time.perf_counter()
-            result = self._swap(ticket.new_block_size)
+            try:
+                result = self._swap(ticket.new_block_size)
+            except Exception as error:  # a failure during the commit itself
+                ticket.fail(error)
+                raise
             result = SwapResult(**{**result.to_dict(), "pause_s": time.perf_counter() - start})
             self.swap_history.append(result)
             log.info("block-size swap %s", result.to_dict())
@@ -425,12 +442,16 @@ class Engine:
             return rejected(
                 f"{new_size} is not a candidate block size {self.config.candidate_block_sizes}"
             )
+        if new_size == old_size:  # idempotent: a retried request finds its swap done
+            return SwapResult(
+                "done", old_size, new_size, reason=f"already at block size {old_size}"
+            )
         num_blocks = self.kv.num_slots // new_size
         for request in self._requests.values():
-            stored = min(len(request.prompt) + request.params.max_tokens, self.config.max_model_len)
-            if -(-(stored - 1) // new_size) > num_blocks:
+            stored = self._max_stored_tokens(len(request.prompt), request.params)
+            if -(-stored // new_size) > num_blocks:
                 return rejected(
-                    f"request {request.id} may hold {stored - 1} tokens, more than the "
+                    f"request {request.id} may hold {stored} tokens, more than the "
                     f"{num_blocks} blocks of {new_size} in the pool"
                 )
         try:
@@ -480,7 +501,12 @@ class Engine:
         params = request.params
         if params.temperature == 0:
             return logits.argmax(dim=-1).tolist()
-        probs = (logits.float() / params.temperature).softmax(dim=-1).cpu()
+        # In float64 and relative to the largest logit, so a tiny temperature gives a
+        # one-hot distribution instead of inf/inf = NaN.
+        logits = logits.double().cpu()
+        probs = ((logits - logits.max(dim=-1, keepdim=True).values) / params.temperature).softmax(
+            -1
+        )
         if params.top_p < 1:
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             keep = sorted_probs.cumsum(dim=-1) - sorted_probs < params.top_p
@@ -527,7 +553,8 @@ class Engine:
     def stats(self) -> dict[str, int | float]:
         """Queue lengths, pool usage, padding and preemptions right now."""
         used_blocks = self.blocks.num_blocks - self.blocks.num_free_blocks
-        held_tokens = sum(self.blocks.num_tokens(r.id) for r in self._running)
+        # The unused tail of each sequence's last block (shared full blocks pad nothing).
+        padding = sum(-self.blocks.num_tokens(r.id) % self.block_size for r in self._running)
         return {
             "block_size": self.block_size,
             "running": len(self._running),
@@ -535,7 +562,7 @@ class Engine:
             "blocks_total": self.blocks.num_blocks,
             "blocks_used": used_blocks,
             "blocks_free": self.blocks.num_free_blocks,
-            "padding_slots": used_blocks * self.block_size - held_tokens,
+            "padding_slots": padding,
             "preemptions": self.preemptions,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "steps": self.steps,

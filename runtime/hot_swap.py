@@ -82,6 +82,9 @@ class SwapTicket:
     def resolve(self, result: SwapResult) -> None:
         self._future.set_result(result)
 
+    def fail(self, error: BaseException) -> None:
+        self._future.set_exception(error)
+
 
 @dataclass(frozen=True)
 class SwapPlan:

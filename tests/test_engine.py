@@ -134,6 +134,8 @@ def test_stop_tokens_and_seeded_sampling_are_deterministic(model):
         ([1], SamplingParams(max_tokens=0), "max_tokens"),
         ([1], SamplingParams(temperature=-1), "temperature"),
         ([1], SamplingParams(top_p=0), "top_p"),
+        ([1], SamplingParams(temperature=1.0, seed=2**70), "seed"),
+        ([1], SamplingParams(temperature=1.0, seed=-1), "seed"),
     ],
 )
 def test_bad_requests_raise_and_engine_keeps_serving(model, prompt, params, needle):
@@ -157,3 +159,28 @@ def test_bad_engine_config_is_named():
         EngineConfig(num_blocks=4, attention_backend="cuda-magic")
     with pytest.raises(ValueError, match="block_size 24"):
         EngineConfig(block_size=24, num_blocks=4)
+
+
+def test_a_tiny_temperature_samples_the_greedy_token(model):
+    prompt = _prompts(1, seed=8)[0]
+    greedy, _ = _run(model, [prompt], max_tokens=6, block_size=8)
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=32))
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=1e-300, seed=1))
+    assert out.token_ids == greedy[0]
+
+
+def test_generate_is_all_or_nothing(model):
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=32))
+    with pytest.raises(RequestError, match="empty"):
+        engine.generate([[1, 2], [3], []], SamplingParams(max_tokens=2))
+    assert not engine.has_unfinished() and engine.stats()["waiting"] == 0
+
+
+def test_padding_counts_each_sequences_unused_tail_even_with_shared_blocks(model):
+    shared = list(range(1, 17))
+    engine = Engine(model, EngineConfig(block_size=8, num_blocks=32, enable_prefix_caching=True))
+    for tail in ([40], [41, 42], [43, 44, 45]):
+        engine.add_request(shared + tail, SamplingParams(max_tokens=4))
+    engine.step()
+    # 17, 18 and 19 tokens in blocks of 8: 7 + 6 + 5 unused slots in the last blocks.
+    assert engine.stats()["padding_slots"] == 7 + 6 + 5
