@@ -248,6 +248,10 @@ class BlockManager:
     def refcount(self, block_id: int) -> int:
         return self._refcount[block_id]
 
+    def cached_blocks(self) -> set[int]:
+        """Blocks that hold a prefix-cache entry (referenced or evictable)."""
+        return set(self._cache.values())
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write pairs (src, dst) the engine must perform before the next step."""
         copies, self._pending_copies = self._pending_copies, []

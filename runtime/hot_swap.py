@@ -136,11 +136,13 @@ def _grow_plan(
             target[group] = j
     moved = [g for g in unique_groups if g not in target]
     claimed = set(target.values())
+    # Copies before the commit must not touch cached blocks either: after a rollback the
+    # old prefix cache still serves them.
+    occupied = referenced | manager.cached_blocks()
     free_regions = [
         j
         for j in range(num_new)
-        if j not in claimed
-        and not any(b in referenced for b in range(j * factor, (j + 1) * factor))
+        if j not in claimed and not any(b in occupied for b in range(j * factor, (j + 1) * factor))
     ]
     staged = len(moved) > len(free_regions)
     if staged:

@@ -323,3 +323,35 @@ def test_triton_backend_serves_and_swaps_with_identical_tokens(model):
     tokens, results, _ = _serve(model, prompts, swaps={2: 32, 4: 8}, max_tokens=6, **config)
     assert tokens == expected
     assert [r.status for r in results] == ["done", "done"]
+
+
+def test_a_rolled_back_grow_leaves_the_prefix_cache_intact(model):
+    """Copies before the commit avoid cached blocks, so later cache hits stay correct."""
+    rng = random.Random(0)
+    first = [rng.randrange(256) for _ in range(17)]
+    second = [rng.randrange(256) for _ in range(17)]
+    growing = second[:8] + [rng.randrange(256) for _ in range(9)]
+    reuse = first[:16] + [rng.randrange(256) for _ in range(3)]  # hits first's two blocks
+    config = {"block_size": 8, "num_blocks": 16, "max_model_len": 64}
+    config["candidate_block_sizes"] = (8, 16)
+    expected = Engine(model, EngineConfig(**config)).generate([reuse], SamplingParams(max_tokens=8))
+    engine = Engine(model, EngineConfig(enable_prefix_caching=True, **config))
+    engine.generate([first], SamplingParams(max_tokens=1))
+    engine.generate([second], SamplingParams(max_tokens=1))
+    engine.add_request(growing, SamplingParams(max_tokens=30))
+    engine.step()
+
+    def fault(phase):
+        if phase == "table":
+            raise RuntimeError("injected table fault")
+
+    engine.swap_fault_hook = fault
+    ticket = engine.request_block_size(16)
+    engine.step()
+    assert ticket.result(0).status == "rolled_back"
+    engine.swap_fault_hook = None
+    hits = engine.prefix_hit_tokens
+    [out] = engine.generate([reuse], SamplingParams(max_tokens=8))
+    assert engine.prefix_hit_tokens == hits + 16
+    assert out.token_ids == expected[0].token_ids
+    engine.blocks.check()
