@@ -415,6 +415,10 @@ class Engine:
         self._swap_requests.put(ticket)
         return ticket
 
+    def has_pending_swaps(self) -> bool:
+        """Whether a requested swap waits for the next step boundary."""
+        return not self._swap_requests.empty()
+
     def _apply_swaps(self) -> None:
         while True:
             try:

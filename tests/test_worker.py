@@ -167,3 +167,62 @@ def test_length_pusher_batches_retries_and_bounds_its_backlog(live_server):
         pusher.stop()
     assert len(received) == 10 and pusher.sent == 10 and pusher.backlog() == 0
     assert received[0]["prompt_tokens"] == 10 and received[0]["output_tokens"] == 5
+
+
+def test_pusher_removes_only_what_it_sent_when_the_backlog_overflows(live_server):
+    import asyncio
+
+    from fastapi import FastAPI
+
+    received = []
+    app = FastAPI()
+
+    @app.post("/v1/observations")
+    async def observations(items: list[dict]) -> dict:
+        await asyncio.sleep(0.5)  # a slow sidecar: the backlog overflows meanwhile
+        received.extend(item["prompt_tokens"] for item in items)
+        return {"accepted": len(items)}
+
+    with live_server(app) as url:
+        pusher = LengthPusher(url, max_backlog=3, flush_interval_s=0.05)
+        for n in (1, 2, 3):
+            pusher.observe(FinishedRequest(0, n, 1, 0.0, 0.0, "length"))
+        pusher.start()
+        time.sleep(0.25)  # the POST of 1, 2, 3 is in flight
+        for n in (4, 5, 6):
+            pusher.observe(FinishedRequest(0, n, 1, 0.0, 0.0, "length"))
+        for _ in range(100):
+            if len(received) == 6:
+                break
+            time.sleep(0.05)
+        pusher.stop()
+    # 1, 2 and 3 were sent before they were dropped from the backlog; 4, 5, 6 still go out.
+    assert received == [1, 2, 3, 4, 5, 6]
+    assert pusher.dropped == 3 and pusher.backlog() == 0
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_worker_recovers(
+    model, live_server, monkeypatch
+):
+    loop = EngineLoop(_engine(model))
+    decode = loop.engine.model.decode
+    calls = {"n": 0}
+
+    def flaky_decode(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected device fault")
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(loop.engine.model, "decode", flaky_decode)
+    loop.start()
+    with live_server(create_worker_app(loop, token=TOKEN)) as url:
+        body = {"prompt_ids": [1, 2, 3], "max_tokens": 5}
+        failed = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert failed.status_code == 503 and "injected device fault" in failed.text
+        ok = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert ok.status_code == 200 and len(ok.json()["token_ids"]) == 5
+        state = httpx.get(f"{url}/admin/state").json()
+    loop.stop()
+    assert state["failed_steps"] == 1 and state["blocks_used"] == 0
+    loop.check()

@@ -10,6 +10,7 @@ batches from its own thread and never blocks generation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -51,8 +52,13 @@ class _Job:
     request_id: int | None = None
 
 
+class EngineStepFailed(RuntimeError):
+    """The engine raised during a step; the requests in flight were dropped."""
+
+
 @dataclass
 class _Counters:
+    failed_steps: int = 0
     completed: int = 0
     cancelled: int = 0
     rejected: int = 0
@@ -70,7 +76,6 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
-        self._swap_pending = 0
         self.counters = _Counters()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -93,9 +98,7 @@ class EngineLoop:
         self._wake.set()
 
     def request_block_size(self, block_size: int):
-        with self._lock:
-            self._swap_pending += 1
-            ticket = self.engine.request_block_size(block_size)
+        ticket = self.engine.request_block_size(block_size)
         self._wake.set()
         return ticket
 
@@ -108,6 +111,7 @@ class EngineLoop:
             "completed": self.counters.completed,
             "cancelled": self.counters.cancelled,
             "rejected": self.counters.rejected,
+            "failed_steps": self.counters.failed_steps,
             "swap_history": history,
         }
 
@@ -121,13 +125,9 @@ class EngineLoop:
         while not self._stop.is_set():
             self._drain_inbox()
             with self._lock:
-                busy = self.engine.has_unfinished() or self._swap_pending
+                busy = self.engine.has_unfinished() or self.engine.has_pending_swaps()
                 if busy:
-                    swaps_before = len(self.engine.swap_history)
-                    outputs = self.engine.step()
-                    new_swaps = self.engine.swap_history[swaps_before:]
-                    self.counters.swap_results.extend(new_swaps)
-                    self._swap_pending -= len(new_swaps)
+                    outputs = self._step()
             if not busy:
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()
@@ -138,6 +138,25 @@ class EngineLoop:
                     if job is not None:
                         self.counters.completed += 1
                         job.done(output)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step (lock held). A step that raises fails every request in flight,
+        so nobody waits forever, and the loop keeps serving new ones."""
+        swaps_before = len(self.engine.swap_history)
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            log.exception("engine step failed; failing the %d requests in flight", len(self._jobs))
+            failure = EngineStepFailed(f"engine step failed: {type(error).__name__}: {error}")
+            for request_id, job in list(self._jobs.items()):
+                with contextlib.suppress(Exception):
+                    self.engine.cancel(request_id)
+                job.done(failure)
+            self._jobs.clear()
+            self.counters.failed_steps += 1
+            outputs = []
+        self.counters.swap_results.extend(self.engine.swap_history[swaps_before:])
+        return outputs
 
     def _drain_inbox(self) -> None:
         while True:
@@ -181,7 +200,10 @@ class LengthPusher:
     ) -> None:
         self.url = url.rstrip("/") + "/v1/observations"
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._backlog: deque[dict] = deque()
+        # (sequence number, observation): after a POST, exactly the items sent are removed,
+        # even if the oldest were dropped for room while it was in flight.
+        self._backlog: deque[tuple[int, dict]] = deque()
+        self._numbers = itertools.count()
         self._lock = threading.Lock()
         self._batch_size = batch_size
         self._max_backlog = max_backlog
@@ -204,7 +226,7 @@ class LengthPusher:
             if len(self._backlog) >= self._max_backlog:
                 self._backlog.popleft()
                 self.dropped += 1
-            self._backlog.append(item)
+            self._backlog.append((next(self._numbers), item))
 
     def backlog(self) -> int:
         with self._lock:
@@ -227,18 +249,19 @@ class LengthPusher:
                         batch = list(itertools.islice(self._backlog, self._batch_size))
                     if not batch:
                         break
+                    body = [item for _, item in batch]
                     try:
-                        response = client.post(self.url, json=batch, headers=self._headers)
+                        response = client.post(self.url, json=body, headers=self._headers)
                         response.raise_for_status()
                     except httpx.HTTPError as error:
                         self.failures += 1
                         backoff = min(self._max_backoff_s, backoff * 2 ** min(self.failures, 6))
                         log_event(log, "sidecar_push_failed", error=str(error), backlog=len(batch))
                         break
+                    last_sent = batch[-1][0]
                     with self._lock:
-                        for _ in batch:
-                            if self._backlog:
-                                self._backlog.popleft()
+                        while self._backlog and self._backlog[0][0] <= last_sent:
+                            self._backlog.popleft()
                     self.sent += len(batch)
                     self.failures = 0
 
@@ -364,8 +387,10 @@ def create_worker_app(
                 loop.cancel(job)
                 raise HTTPException(status_code=499, detail="client disconnected")
         outcome = future.result()
-        if isinstance(outcome, Exception):
+        if isinstance(outcome, RequestError):
             raise HTTPException(status_code=400, detail=str(outcome))
+        if isinstance(outcome, Exception):
+            raise HTTPException(status_code=503, detail=str(outcome))
         return {
             "id": f"cmpl-{outcome.request_id}",
             "token_ids": outcome.token_ids,
@@ -376,7 +401,12 @@ def create_worker_app(
     @app.post("/admin/block-size", dependencies=[Depends(auth)])
     async def block_size(body: BlockSizeRequest) -> dict:
         ticket = loop.request_block_size(body.block_size)
-        result: SwapResult = await asyncio.to_thread(ticket.result, 60.0)
+        try:
+            result: SwapResult = await asyncio.to_thread(ticket.result, 60.0)
+        except TimeoutError:
+            raise HTTPException(status_code=504, detail="no step boundary within 60 s") from None
+        except Exception as error:  # the commit itself failed; the engine loop recovered
+            raise HTTPException(status_code=500, detail=f"swap failed: {error}") from None
         log_event(log, "block_size_swap", **result.to_dict())
         return result.to_dict()
 
