@@ -90,6 +90,9 @@ def test_transient_failures_are_retried_and_the_switch_recorded(live_server, mon
             assert actuation["target"] == f"{worker_url}/admin/block-size"
             assert body["current_block_size"] == 8 and body["action"] is None
             assert sidecar.selector.last_switch == body["decided_at"]
+            # Saved with this switch's time at once: a crash now keeps min_dwell.
+            saved_now = json.loads((tmp_path / "state.json").read_text())
+            assert saved_now["last_switch_at"] == body["decided_at"]
             assert 'blocktune_swaps_total{status="done"} 1.0' in swaps(url)
             assert 'blocktune_swaps_total{status="failed"} 0.0' in swaps(url)
             # The next decision starts from the worker's new size and keeps it.

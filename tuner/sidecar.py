@@ -313,6 +313,9 @@ class Sidecar:
             fields.update(swap=actuation.status, swap_reason=actuation.reason)
         log_event(log, "decision", switch=decision.switch, reason=decision.reason, **fields)
         self._log_recommendation(recommended, current)
+        if actuation is not None and actuation.status == "done":
+            # Before saving: a restart must see this switch's time for min_dwell.
+            self.selector.record_switch(decision)
         self.save_state()
 
     def _action(self, recommended: int, current: int) -> str | None:
