@@ -162,3 +162,12 @@ def test_too_few_samples_keep_the_current_size_and_say_why():
 def test_the_current_size_must_be_a_power_of_two():
     with pytest.raises(InvalidBlockSize, match="24"):
         Selector(DEFAULT, ANALYTIC).decide(phase_window("day"), 24)
+
+
+@pytest.mark.parametrize("current", [4, 512])
+def test_a_size_in_force_without_calibrated_costs_is_left_for_the_cheapest_candidate(current):
+    assert current not in ANALYTIC.block_sizes
+    decision = Selector(DEFAULT, ANALYTIC).decide(phase_window("day"), current, now=0.0)
+    assert decision.switch and decision.block_size == 16
+    assert "no calibrated costs" in decision.reason
+    assert {c.block_size for c in decision.candidates} == set(DEFAULT.candidates)

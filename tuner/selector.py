@@ -123,7 +123,10 @@ class Selector:
         mean_context = float((prompts * outputs + outputs * (outputs + 1) / 2).sum() / generated)
         optimum, prior = model.principled_block_size(mean_context)
         seed = model.seed_heuristic(float(snapshot.total.median))
-        priced = tuple(sorted({*policy.candidates, current}))
+        # A size in force that the calibration cannot price (e.g. reported by vLLM) is left
+        # out: the cheapest candidate then wins without a gain-versus-cost test.
+        calibrated = current in model.calibration.block_sizes
+        priced = tuple(sorted({*policy.candidates, current} if calibrated else policy.candidates))
         costs = model.costs(
             prompts, outputs, shared_prefixes=snapshot.shared_prefixes, block_sizes=priced
         )
@@ -149,17 +152,23 @@ class Selector:
         if best.block_size == current:
             reason = f"B={current} is already the cheapest candidate"
             return Decision(candidates=costs, switch=False, reason=reason, **decision, **base)
-        gain = self._gain_s(snapshot, by_size[current], best)
-        swap = self._swap_cost_s(by_size[current], best)
-        base.update(predicted_gain_s=gain, swap_cost_s=swap)
-        saving = 1 - best.objective_s_per_token / by_size[current].objective_s_per_token
         if self._last_switch is not None and now - self._last_switch < self._min_dwell_s:
             reason = (
-                f"B={best.block_size} would save {saving:.1%} per token, but the last switch was "
+                f"B={best.block_size} is cheaper, but the last switch was "
                 f"{now - self._last_switch:.0f} s ago (min_dwell {self._min_dwell_s:.0f} s): "
                 f"keep B={current}"
             )
             return Decision(candidates=costs, switch=False, reason=reason, **decision, **base)
+        if not calibrated:
+            reason = (
+                f"B={current} has no calibrated costs: switch to the cheapest calibrated "
+                f"candidate B={best.block_size}"
+            )
+            return Decision(candidates=costs, switch=True, reason=reason, **decision, **base)
+        gain = self._gain_s(snapshot, by_size[current], best)
+        swap = self._swap_cost_s(by_size[current], best)
+        base.update(predicted_gain_s=gain, swap_cost_s=swap)
+        saving = 1 - best.objective_s_per_token / by_size[current].objective_s_per_token
         required = swap * policy.safety_factor
         if gain <= required:
             reason = (
