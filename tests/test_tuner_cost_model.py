@@ -179,3 +179,12 @@ def test_principled_prior_is_the_optimum_of_padding_against_per_block_cost():
     c_pad = (1e6 * 2 / 1e9) * SLOT_BYTES / 2**20
     assert optimum == pytest.approx(math.sqrt(2 * c_block * 400 / c_pad))
     assert block == nearest_power_of_two(optimum, SIZES)
+
+
+def test_huge_windows_do_not_wrap_around():
+    """80,000 requests of 2**24 output tokens: int64 sums of held slot-steps would wrap."""
+    prompts = np.ones(80_000, dtype=np.int64)
+    outputs = np.full(80_000, 2**24 - 1, dtype=np.int64)
+    assert int(token_steps(prompts, outputs).sum()) < 0  # what numpy's int64 sum gives
+    [cost] = CostModel(make_policy(), make_calibration()).costs(prompts, outputs, block_sizes=(16,))
+    assert 0 <= cost.padding_ratio < 1e-3

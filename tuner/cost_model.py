@@ -194,7 +194,8 @@ class CostModel:
         generated = int(outputs.sum())
         if generated <= 0:
             raise EmptyWindow(f"{len(prompts)} requests generate no tokens; nothing to price")
-        held = int(token_steps(prompts, outputs).sum())
+        # Sums in float64: exact below 2**53 and never wrapping like int64 on huge windows.
+        held = int(token_steps(prompts, outputs).sum(dtype=np.float64))
         return [self._cost(b, prompts, outputs, generated, held, shared_prefixes) for b in sizes]
 
     def _cost(
@@ -208,7 +209,7 @@ class CostModel:
     ) -> CandidateCost:
         layers = self.policy.model.num_layers
         kernel = self.kernel(block_size)
-        blocks = int(block_steps(prompts, outputs, block_size).sum())
+        blocks = int(block_steps(prompts, outputs, block_size).sum(dtype=np.float64))
         allocated = block_size * blocks
         padding_ratio = (allocated - held) / allocated
         per_request = allocated / generated

@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 MAX_OBSERVATIONS = 10_000
-MAX_TOKENS = 1 << 24  # 16.7M tokens: longer than any context, small enough for int64 sums
+MAX_TOKENS = 1 << 24  # 16.7M tokens: longer than any context
 MAX_PREFIX_GROUP = 256
 MAX_REPORTED_ERRORS = 20
 log = logging.getLogger("blocktune.sidecar")
