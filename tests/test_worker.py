@@ -3,6 +3,7 @@
 import concurrent.futures
 import random
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -226,3 +227,22 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_worker_recovers(
     loop.stop()
     assert state["failed_steps"] == 1 and state["blocks_used"] == 0
     loop.check()
+
+
+def test_worker_command_takes_candidates_and_token_env_from_a_policy(tmp_path, capsys):
+    from blocktune.tuner.cli import build_parser, main
+    from blocktune.tuner.worker_cmd import candidates_and_token_env
+
+    policy = tmp_path / "policy.yaml"
+    default = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
+    text = default.read_text().replace("[8, 16, 32, 64, 128]", "[8, 32]")
+    policy.write_text(text + "auth: {token_env: MY_WORKER_TOKEN}\n")
+    parse = build_parser().parse_args
+    args = parse(["worker", "--policy", str(policy)])
+    assert candidates_and_token_env(args) == ([8, 32], "MY_WORKER_TOKEN")
+    flags = parse(["worker", "--policy", str(policy), "--candidates", "16", "--token-env", "T"])
+    assert candidates_and_token_env(flags) == ([16], "T")
+    assert candidates_and_token_env(parse(["worker"])) == ([8, 16, 32, 64, 128], "BLOCKTUNE_TOKEN")
+    policy.write_text("deployment: x\nbogus: 1\n")
+    assert main(["worker", "--policy", str(policy)]) == 2
+    assert "bogus" in capsys.readouterr().err

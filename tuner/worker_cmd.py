@@ -7,6 +7,9 @@ import sys
 
 __all__ = ["register"]
 
+DEFAULT_CANDIDATES = (8, 16, 32, 64, 128)
+DEFAULT_TOKEN_ENV = "BLOCKTUNE_TOKEN"
+
 
 def parse_bytes(text: str) -> int:
     """`64MiB`, `1GiB`, `500MB` or a plain byte count (pydantic's ByteSize rules)."""
@@ -21,6 +24,18 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
+def candidates_and_token_env(args: argparse.Namespace) -> tuple[list[int], str]:
+    """Flags first, then the policy's candidates and auth.token_env, then the defaults."""
+    candidates, token_env = args.candidates, args.token_env
+    if args.policy is not None:
+        from blocktune.tuner.policy import load_policy
+
+        policy = load_policy(args.policy)
+        candidates = candidates or list(policy.candidates)
+        token_env = token_env or policy.auth.token_env
+    return candidates or list(DEFAULT_CANDIDATES), token_env or DEFAULT_TOKEN_ENV
+
+
 def run_worker(args: argparse.Namespace) -> int:
     """Load the model, start the engine loop and serve until SIGINT/SIGTERM."""
     import logging
@@ -31,9 +46,15 @@ def run_worker(args: argparse.Namespace) -> int:
     from blocktune.runtime.model import ModelLoadError, load_model
     from blocktune.tuner.service import InsecureBind, check_bind, token_from_env
     from blocktune.tuner.worker import EngineLoop, LengthPusher, create_worker_app
+    from blocktune.tuner.yaml_config import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    token = token_from_env(args.token_env)
+    try:
+        candidates, token_env = candidates_and_token_env(args)
+    except ConfigError as error:
+        print(f"blocktune worker: {error}", file=sys.stderr)
+        return 2
+    token = token_from_env(token_env)
     try:
         check_bind(args.host, token)
         model = load_model(args.model, seed=args.seed, device=args.device)
@@ -45,7 +66,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len,
                 attention_backend=args.backend,
-                candidate_block_sizes=tuple(args.candidates),
+                candidate_block_sizes=tuple(sorted({*candidates, args.block_size})),
             ),
         )
     except (InsecureBind, ModelLoadError, ValueError) as error:
@@ -86,12 +107,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--block-size", type=int, default=16, help="initial KV block size")
     parser.add_argument(
+        "--policy",
+        default=None,
+        help="a deployment policy: its candidates and auth.token_env are the defaults here",
+    )
+    parser.add_argument(
         "--candidates",
         type=int,
         nargs="+",
-        default=[8, 16, 32, 64, 128],
+        default=None,
         metavar="B",
-        help="block sizes a swap may choose (kernels for all are compiled at start)",
+        help="block sizes a swap may choose; kernels for all are compiled at start "
+        "(default: the policy's, else 8 16 32 64 128)",
     )
     parser.add_argument(
         "--kv-bytes", type=parse_bytes, default=64 * 2**20, help="KV pool size (default 64MiB)"
@@ -103,12 +130,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
     parser.add_argument(
         "--token-env",
-        default="BLOCKTUNE_TOKEN",
-        help="environment variable holding the admin bearer token (default BLOCKTUNE_TOKEN)",
+        default=None,
+        help="environment variable holding the admin bearer token "
+        "(default: the policy's auth.token_env, else BLOCKTUNE_TOKEN)",
     )
     parser.add_argument(
         "--sidecar-token-env",
-        default="BLOCKTUNE_TOKEN",
+        default=DEFAULT_TOKEN_ENV,
         help="environment variable holding the sidecar's bearer token",
     )
     parser.set_defaults(handler=run_worker)
