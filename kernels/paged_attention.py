@@ -19,6 +19,8 @@ from collections.abc import Iterable
 
 import torch
 
+from blocktune.kernels import is_power_of_two
+
 try:
     import triton
     import triton.language as tl
@@ -53,15 +55,11 @@ class KernelInputError(ValueError):
     """A kernel got inputs it cannot handle (shape, dtype, device, backend or value)."""
 
 
-def _is_power_of_two(value: int) -> bool:
-    return value > 0 and value & (value - 1) == 0
-
-
 def check_block_size(block_size: int) -> None:
     """Raise `KernelInputError` unless `block_size` is a power-of-two int."""
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise KernelInputError(f"block_size must be an int, got {block_size!r}")
-    if not _is_power_of_two(block_size):
+    if not is_power_of_two(block_size):
         raise KernelInputError(f"block_size must be a power of two, got {block_size}")
 
 
@@ -379,10 +377,10 @@ def paged_attention_triton(
     require_triton(query.device)
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
-    if not _is_power_of_two(head_dim) or not MIN_DOT <= head_dim <= MAX_HEAD_DIM:
+    if not is_power_of_two(head_dim) or not MIN_DOT <= head_dim <= MAX_HEAD_DIM:
         raise KernelInputError(f"head_dim must be a power of two in 16..256, got {head_dim}")
     tile = default_tile_size(head_dim) if tile_size is None else tile_size
-    if not _is_power_of_two(tile) or not MIN_DOT <= tile <= MAX_TILE:
+    if not is_power_of_two(tile) or not MIN_DOT <= tile <= MAX_TILE:
         raise KernelInputError(f"tile_size must be a power of two in 16..256, got {tile}")
     if query.dtype == torch.bfloat16 and not isinstance(_paged_attention_kernel, JITFunction):
         raise KernelInputError(

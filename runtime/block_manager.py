@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from blocktune.kernels import is_power_of_two
+
 __all__ = [
     "BlockManager",
     "BlockManagerError",
@@ -73,10 +75,6 @@ class _Sequence:
     # Hash of the last full block (parent of the next one).
     last_full_hash: int = ROOT_HASH
     num_cached_tokens: int = 0
-
-
-def _is_power_of_two(value: int) -> bool:
-    return value > 0 and value & (value - 1) == 0
 
 
 class _FreeBlocks:
@@ -152,11 +150,11 @@ class BlockManager:
         enable_prefix_caching: bool = False,
         align: int = 1,
     ) -> None:
-        if not isinstance(align, int) or not _is_power_of_two(align):
+        if not is_power_of_two(align):
             raise InvalidSize(f"align must be a positive power of two, got {align!r}")
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise InvalidSize(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        if not isinstance(block_size, int) or not _is_power_of_two(block_size):
+        if not is_power_of_two(block_size):
             raise InvalidSize(f"block_size must be a positive power of two, got {block_size!r}")
         self._num_blocks = num_blocks
         self._block_size = block_size

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from blocktune.kernels import is_power_of_two
 from blocktune.kernels.cache_ops import copy_blocks, warmup_cache_ops
 from blocktune.kernels.paged_attention import warmup
 from blocktune.runtime.block_manager import BlockManager
@@ -91,7 +92,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_model_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        bad = [b for b in self.candidate_block_sizes if b <= 0 or b & (b - 1)]
+        bad = [b for b in self.candidate_block_sizes if not is_power_of_two(b)]
         if bad:
             raise ValueError(f"candidate block sizes must be powers of two, got {bad}")
         if self.block_size not in self.candidate_block_sizes:

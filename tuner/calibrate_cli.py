@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from blocktune.kernels import is_power_of_two
+
 __all__ = ["register"]
 
 DEFAULT_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
@@ -40,7 +42,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
 def _block_size(text: str) -> int:
     value = int(text)
-    if value <= 0 or value & (value - 1):
+    if not is_power_of_two(value):
         raise argparse.ArgumentTypeError(f"block sizes must be powers of two, got {text}")
     return value
 

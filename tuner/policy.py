@@ -52,6 +52,7 @@ from pydantic import (
     model_validator,
 )
 
+from blocktune.kernels import is_power_of_two
 from blocktune.tuner.yaml_config import load_yaml_model
 
 __all__ = [
@@ -109,7 +110,7 @@ def _non_negative_duration(value: timedelta) -> timedelta:
 
 
 def _power_of_two(value: int) -> int:
-    if value <= 0 or value & (value - 1):
+    if not is_power_of_two(value):
         raise ValueError(f"block sizes must be powers of two, got {value}")
     return value
 

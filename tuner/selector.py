@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from blocktune.kernels import is_power_of_two
 from blocktune.tuner.calibration import Calibration
 from blocktune.tuner.cost_model import CandidateCost, CostModel, SeedHeuristic
 from blocktune.tuner.policy import Policy
@@ -96,7 +97,7 @@ class Selector:
         self, snapshot: WindowSnapshot, current_block_size: int, *, now: float | None = None
     ) -> Decision:
         """The decision for the next interval, given the engine's current block size."""
-        if current_block_size <= 0 or current_block_size & (current_block_size - 1):
+        if not is_power_of_two(current_block_size):
             raise InvalidBlockSize(
                 f"current block size must be a power of two, got {current_block_size!r}"
             )

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from blocktune.kernels import is_power_of_two
 from blocktune.tuner.actuator import SWAP_STATUSES, EngineActuator, HttpActuator
 from blocktune.tuner.calibration import Calibration, calibration_for
 from blocktune.tuner.collector import Collector
@@ -267,7 +268,7 @@ class Sidecar:
 
     def _report_size(self, block_size: int) -> None:
         """A source reports the block size in use (vLLM's cache_config_info)."""
-        if block_size <= 0 or block_size & (block_size - 1):
+        if not is_power_of_two(block_size):
             self.statuses["vllm_metrics"].bad_items(
                 1, f"cache_config_info block_size {block_size} is not a power of two"
             )

@@ -21,6 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from blocktune.kernels import is_power_of_two
 from blocktune.tuner.service import log_event
 from blocktune.tuner.yaml_config import format_location
 
@@ -67,7 +68,7 @@ class SavedState(_Frozen):
     @model_validator(mode="after")
     def _power_of_two(self) -> SavedState:
         size = self.current_block_size
-        if size & (size - 1):
+        if not is_power_of_two(size):
             raise ValueError(f"current_block_size {size} is not a power of two")
         return self
 
