@@ -14,14 +14,16 @@ logical block index modulo G, so runs start aligned and stay aligned after a
 jump. A freed sequence returns its blocks last-to-first, so the next sequence to
 allocate starts on its first block and walks the same run again.
 
-With prefix caching, a full block is identified by a chained key (the parent
-block's hash and the block's token ids). Blocks whose refcount drops to zero
+With prefix caching, a full block is identified by a chained key (a BLAKE2b
+digest of the parent block's key and the block's token ids). Blocks whose refcount drops to zero
 keep their key and stay reusable ("evictable") until a fresh allocation needs
 them; the least recently released one is evicted first.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -59,11 +61,20 @@ class InvalidSize(BlockManagerError):
     """A block size or block count that cannot be used."""
 
 
-CacheKey = tuple[int, tuple[int, ...]]
-"""(parent block hash, token ids of this block): the identity of a full block."""
+CacheKey = bytes
+"""A full block's identity: a 128-bit BLAKE2b digest chained over the prefix's tokens."""
 
-ROOT_HASH = 0
-"""The parent hash of a sequence's first block."""
+ROOT_KEY: CacheKey = b""
+"""The parent key of a sequence's first block."""
+
+
+def chain_key(parent: CacheKey, tokens: Sequence[int]) -> CacheKey:
+    """The key of a full block: BLAKE2b over its parent's key and its token ids (int64).
+
+    A cryptographic digest, so two different prefixes cannot be made to share a key
+    (and with it another request's KV) the way a 64-bit hash could be collided.
+    """
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 @dataclass
@@ -72,8 +83,8 @@ class _Sequence:
     num_tokens: int = 0
     # With prefix caching: tokens of the last block while it is not full (to key it once full).
     tail_tokens: list[int] = field(default_factory=list)
-    # Hash of the last full block (parent of the next one).
-    last_full_hash: int = ROOT_HASH
+    # Key of the last full block (parent of the next one).
+    last_full_key: CacheKey = ROOT_KEY
     num_cached_tokens: int = 0
 
 
@@ -265,17 +276,17 @@ class BlockManager:
             raise EmptyTokens(f"allocate({seq_id!r}) needs at least one token")
         size = self._block_size
         hits: list[int] = []
-        parent = ROOT_HASH
+        parent = ROOT_KEY
         if self._prefix_caching:
             # The block holding the last token is never taken from the cache: the engine
             # must compute that token to get the next token's logits.
             for i in range((len(tokens) - 1) // size):
-                key = (parent, tuple(tokens[i * size : (i + 1) * size]))
+                key = chain_key(parent, tokens[i * size : (i + 1) * size])
                 block = self._cache.get(key)
                 if block is None:
                     break
                 hits.append(block)
-                parent = hash(key)
+                parent = key
         num_needed = -(-len(tokens) // size) - len(hits)
         reclaimed = sum(1 for b in hits if self._refcount[b] == 0)
         if num_needed > self.num_free_blocks - reclaimed:
@@ -287,7 +298,7 @@ class BlockManager:
                 del self._evictable[block]
             self._refcount[block] += 1
             seq.blocks.append(block)
-        seq.last_full_hash = parent
+        seq.last_full_key = parent
         seq.num_cached_tokens = len(hits) * size
         self._seqs[seq_id] = seq
         seq.num_tokens = seq.num_cached_tokens
@@ -327,7 +338,7 @@ class BlockManager:
             blocks=list(parent.blocks),
             num_tokens=parent.num_tokens,
             tail_tokens=list(parent.tail_tokens),
-            last_full_hash=parent.last_full_hash,
+            last_full_key=parent.last_full_key,
             num_cached_tokens=parent.num_cached_tokens,
         )
 
@@ -429,9 +440,9 @@ class BlockManager:
 
     def _seal(self, seq: _Sequence, block: int) -> None:
         """`block` just became full with the tail tokens: key it and start a new tail."""
-        key = (seq.last_full_hash, tuple(seq.tail_tokens))
+        key = chain_key(seq.last_full_key, seq.tail_tokens)
         seq.tail_tokens = []
-        seq.last_full_hash = hash(key)
+        seq.last_full_key = key
         if key not in self._cache and self._block_key[block] is None:
             self._cache[key] = block
             self._block_key[block] = key
