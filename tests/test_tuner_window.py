@@ -110,6 +110,15 @@ def test_output_rate_comes_from_the_timestamps():
     assert single.snapshot().generated_tokens_per_s() is None
 
 
+def test_one_stray_timestamp_does_not_stretch_the_output_rate():
+    window = LengthWindow(capacity=200)
+    window.observe_many([10] * 100, [50] * 100, timestamps=[1000.0 + i for i in range(100)])
+    steady = window.snapshot().generated_tokens_per_s()
+    window.observe(10, 50, timestamp=0.0)  # a client whose clock says 1970
+    assert window.snapshot().generated_tokens_per_s() == pytest.approx(steady, rel=0.05)
+    assert steady == pytest.approx(50, rel=0.05)
+
+
 @pytest.mark.parametrize(
     ("prompt", "output", "needle"),
     [

@@ -99,11 +99,19 @@ class WindowSnapshot:
         return int(len(keys) - len(np.unique(keys)))
 
     def generated_tokens_per_s(self) -> float | None:
-        """Output tokens per second over the window's time span (None below two timestamps)."""
+        """Output tokens per second over the window's time span (None below two timestamps).
+
+        From 20 requests on, the span runs between the 5th and 95th percentile
+        timestamps, counting the tokens of the requests inside it, so one stray
+        timestamp (a client clock at 0, a replayed old line) cannot stretch it.
+        """
         if self.count < 2:
             return None
-        span = float(self.timestamps.max() - self.timestamps.min())
-        return float(self.output_tokens.sum()) / span if span > 0 else None
+        trim = [5, 95] if self.count >= 20 else [0, 100]
+        low, high = np.percentile(self.timestamps, trim)
+        inside = (self.timestamps >= low) & (self.timestamps <= high)
+        span = float(high - low)
+        return float(self.output_tokens[inside].sum()) / span if span > 0 else None
 
     def summary(self) -> dict:
         """Plain numbers for JSON: counts, length summaries and the non-empty histogram bins."""
