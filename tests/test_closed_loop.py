@@ -7,7 +7,7 @@ from blocktune.tuner.policy import Policy
 def test_the_sidecar_swaps_the_worker_both_ways_and_no_token_changes():
     lines: list[str] = []
     report = run_closed_loop(
-        duration_s=45, interval_s=3, rate_per_s=4, restart_sidecar_at_s=9, out=lines.append
+        duration_s=60, interval_s=3, rate_per_s=4, restart_sidecar_at_s=9, out=lines.append
     )
     done = [
         (s["old_block_size"], s["new_block_size"]) for s in report.swaps if s["status"] == "done"
