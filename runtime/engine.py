@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 BACKENDS = ("torch", "triton")
+SWAP_HISTORY = 100  # swap results kept for introspection
 log = logging.getLogger(__name__)
 
 
@@ -201,7 +202,10 @@ class Engine:
         self.prefix_hit_tokens = 0
         self.steps = 0
         self._swap_requests: queue.SimpleQueue[SwapTicket] = queue.SimpleQueue()
-        self.swap_history: list[SwapResult] = []
+        # The latest swaps (bounded for a long-running engine) and running totals.
+        self.swap_history: deque[SwapResult] = deque(maxlen=SWAP_HISTORY)
+        self._swap_counts = {"done": 0, "rejected": 0, "rolled_back": 0}
+        self._swap_bytes_moved = 0
         # Test seam: called with "copy" and "table" during a swap's prepare phase.
         self.swap_fault_hook: Callable[[str], None] | None = None
         if config.attention_backend == "triton":
@@ -434,6 +438,8 @@ class Engine:
                 raise
             result = SwapResult(**{**result.to_dict(), "pause_s": time.perf_counter() - start})
             self.swap_history.append(result)
+            self._swap_counts[result.status] += 1
+            self._swap_bytes_moved += result.bytes_moved
             log.info("block-size swap %s", result.to_dict())
             ticket.resolve(result)
 
@@ -571,9 +577,7 @@ class Engine:
             "preemptions": self.preemptions,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "steps": self.steps,
-            "swaps_done": sum(r.status == "done" for r in self.swap_history),
-            "swaps_rejected": sum(r.status == "rejected" for r in self.swap_history),
-            "swaps_rolled_back": sum(r.status == "rolled_back" for r in self.swap_history),
-            "swap_bytes_moved": sum(r.bytes_moved for r in self.swap_history),
+            **{f"swaps_{status}": count for status, count in self._swap_counts.items()},
+            "swap_bytes_moved": self._swap_bytes_moved,
             "last_swap_pause_s": self.swap_history[-1].pause_s if self.swap_history else 0.0,
         }

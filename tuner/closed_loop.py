@@ -171,7 +171,9 @@ def _live_line(
 ) -> tuple[str, dict, list[dict]]:
     state = httpx.get(f"{worker_url}/admin/state", timeout=5).json()
     recommendation = httpx.get(f"{sidecar_url}/v1/recommendation", timeout=5).json()
-    new_swaps = state["swap_history"][seen:]
+    # The worker keeps only its latest swaps: count the new ones from its totals.
+    total = sum(state[f"swaps_{status}"] for status in ("done", "rejected", "rolled_back"))
+    new_swaps = state["swap_history"][len(state["swap_history"]) - (total - seen) :]
     recent = workload[(workload.arrival_s > elapsed - 5) & (workload.arrival_s <= elapsed)]
     median = float((recent.prompt_tokens + recent.output_tokens).median()) if len(recent) else 0
     swap_text = "-"

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -62,7 +62,6 @@ class _Counters:
     completed: int = 0
     cancelled: int = 0
     rejected: int = 0
-    swap_results: deque = field(default_factory=lambda: deque(maxlen=100))
 
 
 class EngineLoop:
@@ -105,7 +104,7 @@ class EngineLoop:
     def state(self) -> dict:
         with self._lock:
             stats = self.engine.stats()
-            history = [r.to_dict() for r in self.counters.swap_results]
+            history = [r.to_dict() for r in self.engine.swap_history]
         return {
             **stats,
             "completed": self.counters.completed,
@@ -142,7 +141,6 @@ class EngineLoop:
     def _step(self) -> list[RequestOutput]:
         """One engine step (lock held). A step that raises fails every request in flight,
         so nobody waits forever, and the loop keeps serving new ones."""
-        swaps_before = len(self.engine.swap_history)
         try:
             outputs = self.engine.step()
         except Exception as error:
@@ -155,7 +153,6 @@ class EngineLoop:
             self._jobs.clear()
             self.counters.failed_steps += 1
             outputs = []
-        self.counters.swap_results.extend(self.engine.swap_history[swaps_before:])
         return outputs
 
     def _drain_inbox(self) -> None:
