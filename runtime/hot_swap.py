@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +32,7 @@ from blocktune.kernels.cache_ops import copy_blocks
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.runtime.block_table import BlockTable
 from blocktune.runtime.kv_cache import KVCache
+from blocktune.runtime.swap_result import SwapResult
 
 __all__ = [
     "PreparedSwap",
@@ -47,23 +48,6 @@ __all__ = [
 
 class SwapRejected(Exception):
     """The swap cannot be done now; the message says why. Nothing was changed."""
-
-
-@dataclass(frozen=True)
-class SwapResult:
-    """The outcome of one block-size swap."""
-
-    status: str  # "done" | "rejected" | "rolled_back"
-    old_block_size: int
-    new_block_size: int
-    zero_copy_blocks: int = 0
-    copied_blocks: int = 0
-    bytes_moved: int = 0
-    pause_s: float = 0.0
-    reason: str = ""
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 class SwapTicket:

@@ -18,11 +18,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import TypeAdapter, ValidationError
+
+from blocktune.runtime.swap_result import SwapResult
 
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine
@@ -35,38 +37,17 @@ STATE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
-class Actuation:
-    """The outcome of applying one switch: the swap result, or why there is none."""
+class Actuation(SwapResult):
+    """The outcome of applying one switch: the swap result with the attempts it took, or
+    status "failed" (one of SWAP_STATUSES) and why there is none."""
 
-    status: str  # one of SWAP_STATUSES
-    old_block_size: int
-    new_block_size: int
-    zero_copy_blocks: int = 0
-    copied_blocks: int = 0
-    bytes_moved: int = 0
-    pause_s: float = 0.0
-    reason: str = ""
+    status: str
     attempts: int = 1
     target: str = ""
     at: float = 0.0
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
-
-class _SwapResultBody(BaseModel):
-    """The worker's answer to `POST /admin/block-size` (a `SwapResult`)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    status: Literal["done", "rejected", "rolled_back"]
-    old_block_size: int
-    new_block_size: int
-    zero_copy_blocks: int = 0
-    copied_blocks: int = 0
-    bytes_moved: int = 0
-    pause_s: float = 0.0
-    reason: str = ""
+_SWAP_RESULT = TypeAdapter(SwapResult)
 
 
 class HttpActuator:
@@ -123,11 +104,11 @@ class HttpActuator:
             reason = f"HTTP {response.status_code}: {response.text[:200]}"
             return self._failed(new, old, reason, attempts)
         try:
-            body = _SwapResultBody.model_validate_json(response.content)
+            body = _SWAP_RESULT.validate_json(response.content)
         except ValidationError as error:
             reason = f"the worker's answer is not a SwapResult: {error.errors()[0]['msg']}"
             return self._failed(new, old, reason, attempts)
-        return Actuation(**body.model_dump(), attempts=attempts, target=self.target, at=time.time())
+        return Actuation(**body.to_dict(), attempts=attempts, target=self.target, at=time.time())
 
     def _failed(self, new: int, old: int, reason: str, attempts: int) -> Actuation:
         return Actuation(
