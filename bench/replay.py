@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from blocktune.traces.synth import CUSTOMER_SERVICE_PHASES, customer_service_day
-from blocktune.tuner.calibration import default_calibration, load_calibration
-from blocktune.tuner.policy import load_policy
-from blocktune.tuner.replay import replay
-from blocktune.tuner.replay_report import format_table
-
-DEFAULT_POLICY = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
+from blocktune.tuner.core.calibration import default_calibration, load_calibration
+from blocktune.tuner.core.defaults import DEFAULT_POLICY
+from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.replay.report import format_table
+from blocktune.tuner.replay.runner import replay
 
 
 def requests_per_day() -> float:
@@ -33,7 +31,7 @@ def requests_per_day() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1_000_000, help="about this many")
-    parser.add_argument("--policy", type=Path, default=DEFAULT_POLICY, help="policy YAML")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, help="policy YAML")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic day")
     args = parser.parse_args()
     policy = load_policy(args.policy)

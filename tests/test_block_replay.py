@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.block_replay import replay_block_manager
+from blocktune.tuner.core.block_replay import replay_block_manager
 
 
 def test_day_is_deterministic_and_has_its_phases():

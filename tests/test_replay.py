@@ -9,14 +9,14 @@ import pandas as pd
 import pytest
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.calibration import analytic_calibration
-from blocktune.tuner.cost_model import CostModel
-from blocktune.tuner.policy import Policy, load_policy
-from blocktune.tuner.replay import ADAPTIVE, ORACLE, ReplayError, replay, static_name
-from blocktune.tuner.replay_objective import IntervalCosts
-from blocktune.tuner.replay_plots import PLOT_FILES, write_plots
-from blocktune.tuner.replay_report import RESULT_KEYS, comparisons, format_table, report_dict
-from blocktune.tuner.replay_workload import Workload
+from blocktune.tuner.core.calibration import analytic_calibration
+from blocktune.tuner.core.cost_model import CostModel
+from blocktune.tuner.core.policy import Policy, load_policy
+from blocktune.tuner.replay.objective import IntervalCosts
+from blocktune.tuner.replay.plots import PLOT_FILES, write_plots
+from blocktune.tuner.replay.report import RESULT_KEYS, comparisons, format_table, report_dict
+from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayError, replay, static_name
+from blocktune.tuner.replay.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = load_policy(ROOT / "policies" / "customer_service_llama8b.yaml")

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from blocktune.tuner.calibration import ANALYTIC_FILE, bundled_files
 from blocktune.tuner.cli import main
-from blocktune.tuner.replay_report import RESULT_KEYS
+from blocktune.tuner.core.calibration import ANALYTIC_FILE, bundled_files
+from blocktune.tuner.replay.report import RESULT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("static-8", "static-16", "static-32", "static-64", "adaptive", "oracle")

@@ -8,14 +8,14 @@ import pandas as pd
 import pytest
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.block_replay import replay_block_manager
-from blocktune.tuner.calibration import analytic_calibration
-from blocktune.tuner.cost_model import CostModel
-from blocktune.tuner.policy import Policy, load_policy
-from blocktune.tuner.replay_control import OracleController
-from blocktune.tuner.replay_server import ServerModel
-from blocktune.tuner.replay_sim import simulate
-from blocktune.tuner.replay_workload import Workload
+from blocktune.tuner.core.block_replay import replay_block_manager
+from blocktune.tuner.core.calibration import analytic_calibration
+from blocktune.tuner.core.cost_model import CostModel
+from blocktune.tuner.core.policy import Policy, load_policy
+from blocktune.tuner.replay.controllers import OracleController
+from blocktune.tuner.replay.simulator import simulate
+from blocktune.tuner.replay.step_cost import ServerModel
+from blocktune.tuner.replay.workload import Workload
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
 POLICY = load_policy(POLICIES / "customer_service_llama8b.yaml")

@@ -11,11 +11,11 @@ import pytest
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 
-from blocktune.tuner.actuator import HttpActuator
-from blocktune.tuner.policy import ActuatorSettings, WindowSettings, load_policy
-from blocktune.tuner.service import BearerAuth
-from blocktune.tuner.sidecar import Sidecar, SidecarConfigError
-from blocktune.tuner.sidecar_app import create_sidecar_app
+from blocktune.tuner.core.policy import ActuatorSettings, WindowSettings, load_policy
+from blocktune.tuner.serving.http import BearerAuth
+from blocktune.tuner.serving.sidecar_app import create_sidecar_app
+from blocktune.tuner.sidecar.actuators import HttpActuator
+from blocktune.tuner.sidecar.sidecar import Sidecar, SidecarConfigError
 
 POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
 TOKEN = "worker-admin-token"
@@ -191,7 +191,7 @@ def test_an_engine_and_an_http_actuator_exclude_each_other():
 def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
     from blocktune.runtime.engine import Engine, EngineConfig
     from blocktune.runtime.model import load_model
-    from blocktune.tuner.worker import EngineLoop, create_worker_app
+    from blocktune.tuner.serving.worker_app import EngineLoop, create_worker_app
 
     monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
     loop = EngineLoop(

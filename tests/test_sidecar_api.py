@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from blocktune.tuner.policy import load_policy
-from blocktune.tuner.sidecar import Sidecar
-from blocktune.tuner.sidecar_app import create_sidecar_app
-from blocktune.tuner.sources import MAX_OBSERVATIONS
+from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.serving.sidecar_app import create_sidecar_app
+from blocktune.tuner.sidecar.sidecar import Sidecar
+from blocktune.tuner.sidecar.sources import MAX_OBSERVATIONS
 
 POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
 TOKEN = "sidecar-test-token"

@@ -7,9 +7,9 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blocktune.tuner.policy import load_policy
-from blocktune.tuner.sidecar import Sidecar
-from blocktune.tuner.sidecar_app import create_sidecar_app
+from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.serving.sidecar_app import create_sidecar_app
+from blocktune.tuner.sidecar.sidecar import Sidecar
 
 POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
 FIELDS = ["prompt_tokens", "output_tokens", "timestamp", "prefix_group", "extra"]

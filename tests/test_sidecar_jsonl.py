@@ -8,11 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from blocktune.tuner.jsonl_source import JsonlLogFollower
-from blocktune.tuner.policy import JsonlLogSource, Sources, load_policy
-from blocktune.tuner.sidecar import Sidecar
-from blocktune.tuner.sidecar_app import create_sidecar_app
-from blocktune.tuner.sources import SourceRunner
+from blocktune.tuner.core.policy import JsonlLogSource, Sources, load_policy
+from blocktune.tuner.serving.sidecar_app import create_sidecar_app
+from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
+from blocktune.tuner.sidecar.sidecar import Sidecar
+from blocktune.tuner.sidecar.sources import SourceRunner
 
 POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
 

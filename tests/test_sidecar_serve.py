@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.policy import load_policy
-from blocktune.tuner.yaml_config import ConfigError
+from blocktune.tuner.core.config_files import ConfigError
+from blocktune.tuner.core.policy import load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "policies" / "default.yaml"

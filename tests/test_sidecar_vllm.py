@@ -11,12 +11,12 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from blocktune.tuner.policy import Sources, load_policy
-from blocktune.tuner.policy import VllmMetricsSource as VllmSettings
-from blocktune.tuner.sidecar import Sidecar
-from blocktune.tuner.sidecar_app import create_sidecar_app
-from blocktune.tuner.sources import SourceRunner
-from blocktune.tuner.vllm_source import Histogram, VllmMetricsSource, spread_samples
+from blocktune.tuner.core.policy import Sources, load_policy
+from blocktune.tuner.core.policy import VllmMetricsSource as VllmSettings
+from blocktune.tuner.serving.sidecar_app import create_sidecar_app
+from blocktune.tuner.sidecar.sidecar import Sidecar
+from blocktune.tuner.sidecar.sources import SourceRunner
+from blocktune.tuner.sidecar.vllm_metrics import Histogram, VllmMetricsSource, spread_samples
 
 POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
 BOUNDS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]

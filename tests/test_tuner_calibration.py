@@ -7,7 +7,8 @@ from datetime import datetime, timezone
 import pytest
 import torch
 
-from blocktune.tuner.calibration import (
+from blocktune.tuner.cli import main
+from blocktune.tuner.core.calibration import (
     ANALYTIC_FILE,
     CalibrationError,
     analytic_calibration,
@@ -15,9 +16,8 @@ from blocktune.tuner.calibration import (
     default_calibration,
     load_calibration,
 )
-from blocktune.tuner.cli import main
-from blocktune.tuner.measure import measure_host
-from blocktune.tuner.yaml_config import ConfigError
+from blocktune.tuner.core.config_files import ConfigError
+from blocktune.tuner.core.measure import measure_host
 
 
 def test_the_bundled_analytic_model_cites_its_constants():

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import numpy as np
 
-from blocktune.tuner.calibration import analytic_calibration
-from blocktune.tuner.collector import JOB_ID, Collector
-from blocktune.tuner.policy import load_policy
-from blocktune.tuner.selector import Selector
-from blocktune.tuner.window import LengthWindow
+from blocktune.tuner.core.calibration import analytic_calibration
+from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.core.selector import Selector
+from blocktune.tuner.core.window import LengthWindow
+from blocktune.tuner.sidecar.scheduler import JOB_ID, Collector
 
 POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
 FAST = POLICY.model_copy(update={"interval": POLICY.interval / 3000})  # 0.1 s

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.block_replay import replay_block_manager
-from blocktune.tuner.calibration import Calibration
-from blocktune.tuner.cost_model import (
+from blocktune.tuner.core.block_replay import replay_block_manager
+from blocktune.tuner.core.calibration import Calibration
+from blocktune.tuner.core.cost_model import (
     CostModel,
     EmptyWindow,
     block_steps,
@@ -19,7 +19,7 @@ from blocktune.tuner.cost_model import (
     seed_heuristic,
     token_steps,
 )
-from blocktune.tuner.policy import Policy
+from blocktune.tuner.core.policy import Policy
 
 SIZES = (8, 16, 32, 64)
 SHAPE = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}

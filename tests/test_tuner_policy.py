@@ -7,8 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.policy import load_policy, parse_duration
-from blocktune.tuner.yaml_config import ConfigError
+from blocktune.tuner.core.config_files import ConfigError
+from blocktune.tuner.core.policy import load_policy, parse_duration
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
 

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.calibration import ANALYTIC_FILE, analytic_calibration, bundled_files
 from blocktune.tuner.cli import main
-from blocktune.tuner.policy import load_policy
-from blocktune.tuner.recommend import recommend
+from blocktune.tuner.cli.recommend import recommend
+from blocktune.tuner.core.calibration import ANALYTIC_FILE, analytic_calibration, bundled_files
+from blocktune.tuner.core.policy import load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.calibration import analytic_calibration
-from blocktune.tuner.policy import load_policy
-from blocktune.tuner.selector import InvalidBlockSize, Selector
-from blocktune.tuner.window import LengthWindow
+from blocktune.tuner.core.calibration import analytic_calibration
+from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.core.selector import InvalidBlockSize, Selector
+from blocktune.tuner.core.window import LengthWindow
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
 DEFAULT = load_policy(POLICIES / "default.yaml")

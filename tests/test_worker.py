@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blocktune.runtime.engine import Engine, EngineConfig, FinishedRequest, SamplingParams
 from blocktune.runtime.model import load_model
-from blocktune.tuner.worker import EngineLoop, LengthPusher, create_worker_app
+from blocktune.tuner.serving.worker_app import EngineLoop, LengthPusher, create_worker_app
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -231,7 +231,7 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_worker_recovers(
 
 def test_worker_command_takes_candidates_and_token_env_from_a_policy(tmp_path, capsys):
     from blocktune.tuner.cli import build_parser, main
-    from blocktune.tuner.worker_cmd import candidates_and_token_env
+    from blocktune.tuner.cli.worker import candidates_and_token_env
 
     policy = tmp_path / "policy.yaml"
     default = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"

@@ -10,7 +10,7 @@ import pytest
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.model import load_model
-from blocktune.tuner.worker import EngineLoop, create_worker_app
+from blocktune.tuner.serving.worker_app import EngineLoop, create_worker_app
 
 TOKEN = "soak-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

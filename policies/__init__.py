@@ -1,0 +1,1 @@
+"""The bundled policy files, shipped as package data (`--policy NAME` finds them by stem)."""

@@ -1,0 +1,54 @@
+"""`blocktune policy check FILE...`: validate policy files and the calibration each names."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+__all__ = ["check_policy", "register"]
+
+
+def check_policy(path: Path) -> list[str]:
+    """Every problem of one policy file (schema first, then its calibration); [] if none."""
+    from blocktune.tuner.core.calibration import CalibrationError, calibration_for
+    from blocktune.tuner.core.config_files import ConfigError
+    from blocktune.tuner.core.policy import load_policy
+
+    try:
+        policy = load_policy(path)
+    except ConfigError as exc:
+        return list(exc.problems)
+    try:
+        calibration_for(policy, path.parent).require(policy.candidates)
+    except ConfigError as exc:
+        return [f"{path}: calibration: {problem}" for problem in exc.problems]
+    except CalibrationError as exc:
+        return [f"{path}: candidates: {exc}"]
+    return []
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Validate policy files: print every problem and exit 1, or print 'ok' and exit 0."""
+    failed = False
+    for name in args.files:
+        problems = check_policy(Path(name))
+        for problem in problems:
+            print(problem)
+        if problems:
+            failed = True
+        else:
+            print(f"{name}: ok")
+    return 1 if failed else 0
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `policy check` to the command line."""
+    policy = commands.add_parser("policy", help="work with YAML tuning policies")
+    actions = policy.add_subparsers(dest="policy_command", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check",
+        help="validate policy files and report every problem",
+        description=run_check.__doc__,
+    )
+    check.add_argument("files", nargs="+", metavar="FILE", help="policy YAML files")
+    check.set_defaults(handler=run_check)

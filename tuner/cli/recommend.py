@@ -1,0 +1,235 @@
+"""`blocktune recommend`: price every candidate block size for a trace under a policy.
+
+The trace's requests (all of them, or the last `--last N`) fill a length
+window; the selector prices each candidate with the policy's calibration and
+prints every cost term, the choice, the principled prior and the seed's sqrt
+rule, or the same as JSON with `--json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from blocktune.tuner.cli.trace import SYNTHETIC, add_load_arguments, load_from_args
+from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from blocktune.tuner.core.calibration import Calibration
+    from blocktune.tuner.core.policy import Policy
+    from blocktune.tuner.core.selector import Decision
+    from blocktune.tuner.core.window import WindowSnapshot
+
+__all__ = ["format_table", "recommend", "register", "to_json"]
+
+
+class RecommendError(ValueError):
+    """A request to `recommend` that cannot be served (for example an empty selection)."""
+
+
+def recommend(
+    frame: pd.DataFrame,
+    policy: Policy,
+    calibration: Calibration,
+    *,
+    current_block_size: int = DEFAULT_BLOCK_SIZE,
+    last: int | None = None,
+) -> tuple[Decision, WindowSnapshot]:
+    """The selector's decision for the requests of `frame` (arrival_s, prompt_tokens,
+    output_tokens, optional prefix_group), all of them or the `last` ones."""
+    import pandas as pd
+
+    from blocktune.tuner.core.selector import Selector
+    from blocktune.tuner.core.window import LengthWindow
+
+    rows = frame if last is None else frame.tail(last)
+    if rows.empty:
+        raise RecommendError("the trace selection holds no requests")
+    window = LengthWindow(capacity=len(rows))
+    groups = None
+    if "prefix_group" in rows:
+        groups = [None if pd.isna(g) else g for g in rows["prefix_group"]]
+    window.observe_many(
+        rows["prompt_tokens"].to_numpy(),
+        rows["output_tokens"].to_numpy(),
+        timestamps=rows["arrival_s"].to_numpy(),
+        prefix_groups=groups,
+    )
+    snapshot = window.snapshot()
+    decision = Selector(policy, calibration).decide(snapshot, current_block_size, now=0.0)
+    return decision, snapshot
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _kib(value: float) -> str:
+    return f"{value / 1024:.1f}"
+
+
+def format_table(decision: Decision, snapshot: WindowSnapshot) -> str:
+    """The candidates as a fixed-width table (times in microseconds per generated token)."""
+    names = ("padding", "pad/req", "capacity", "running", "weights", "k.table", "k.read")
+    names += ("host", "prefix", "total")
+    units = ("%", "KiB", "tokens", "requests") + ("us/tok",) * 6
+    widths = (8, 8, 10, 9, 9, 8, 8, 7, 7, 9)
+    header = f"{'B':>6}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
+    units = f"{'tokens':>6}" + "".join(f"{u:>{w}}" for u, w in zip(units, widths, strict=True))
+    lines = [header, units]
+    for c in decision.candidates:
+        mark = "*" if c.block_size == decision.block_size else " "
+        lines.append(
+            f"{mark} {c.block_size:>4}{c.padding_ratio:>8.1%}"
+            f"{_kib(c.padding_bytes_per_request):>8}{c.capacity_tokens:>10.0f}"
+            f"{c.concurrent_requests:>9.1f}{c.weights_s_per_token * 1e6:>9.3f}"
+            f"{c.kernel_translation_s_per_token * 1e6:>8.3f}"
+            f"{c.kernel_bandwidth_s_per_token * 1e6:>8.3f}{c.host_s_per_token * 1e6:>7.3f}"
+            f"{c.prefix_loss_s_per_token * 1e6:>7.3f}{c.objective_s_per_token * 1e6:>9.3f}"
+        )
+    total = snapshot.total
+    lines.insert(
+        0,
+        f"window: {snapshot.count} requests, prompt+output tokens median {total.median:.0f}, "
+        f"p90 {total.p90:.0f}, p99 {total.p99:.0f}; {snapshot.shared_prefixes} reuse a prefix",
+    )
+    lines.append(f"choice: B={decision.block_size}  (* above; total = the objective)")
+    if decision.principled_block_tokens is not None:
+        lines.append(
+            f"prior: B* = sqrt(2 c_block l / c_pad) = {decision.principled_block_tokens:.1f} "
+            f"tokens -> {decision.heuristic_block_size}"
+        )
+    seed = decision.seed_heuristic
+    if seed is not None:
+        lines.append(
+            f"seed's rule: sqrt({seed.length_tokens:.0f} x {seed.bytes_per_token} B) = "
+            f"{seed.value_sqrt_token_bytes:.0f} sqrt(token*byte) -> {seed.tokens:.3f} tokens "
+            f"-> {seed.block_size} (clamped to the candidates)"
+        )
+    lines.append(f"against the current B={decision.current_block_size}: {decision.reason}")
+    return "\n".join(lines)
+
+
+def to_json(decision: Decision, snapshot: WindowSnapshot, **extra: object) -> str:
+    """`{"block_size", "heuristic_block_size", "candidates", "window", ...}` as JSON."""
+    payload = {
+        "block_size": decision.block_size,
+        "heuristic_block_size": decision.heuristic_block_size,
+        "candidates": [
+            {**dataclasses.asdict(c), "kernel_s_per_token": c.kernel_s_per_token}
+            for c in decision.candidates
+        ],
+        "window": snapshot.summary(),
+        "principled_block_tokens": decision.principled_block_tokens,
+        "seed_heuristic": (
+            None if decision.seed_heuristic is None else vars(decision.seed_heuristic)
+        ),
+        "current_block_size": decision.current_block_size,
+        "switch": decision.switch,
+        "reason": decision.reason,
+        **extra,
+    }
+    return json.dumps(payload, indent=2)
+
+
+def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
+    if args.trace == SYNTHETIC:
+        from blocktune.traces.synth import customer_service_day
+
+        frame = customer_service_day(args.seed)
+        label = f"synthetic customer-service day (seed {args.seed})"
+    else:
+        loaded = load_from_args(args)
+        frame, label = loaded.frame, f"{args.trace} (format {loaded.format})"
+    if args.phase is not None:
+        if "phase" not in frame:
+            raise RecommendError(f"{label} has no 'phase' column to select {args.phase!r} from")
+        phases = sorted(frame["phase"].unique())
+        if args.phase not in phases:
+            raise RecommendError(f"{label} has no phase {args.phase!r}; it has {phases}")
+        frame = frame[frame["phase"] == args.phase]
+        label += f", phase {args.phase}"
+    return frame, label
+
+
+def run_recommend(args: argparse.Namespace) -> int:
+    """Price every candidate block size for a trace under a policy and print the choice."""
+    from blocktune.traces.schema import TraceError
+    from blocktune.tuner.core.calibration import CalibrationError, calibration_for
+    from blocktune.tuner.core.config_files import ConfigError
+    from blocktune.tuner.core.policy import load_policy
+
+    try:
+        policy = load_policy(args.policy)
+        calibration = calibration_for(policy, Path(args.policy).parent)
+        frame, label = _load_frame(args)
+        decision, snapshot = recommend(
+            frame, policy, calibration, current_block_size=args.current, last=args.last
+        )
+    except (ConfigError, TraceError, CalibrationError, RecommendError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(
+            to_json(
+                decision,
+                snapshot,
+                trace=label,
+                policy={"file": str(args.policy), "deployment": policy.deployment},
+                calibration=calibration.describe(),
+            )
+        )
+        return 0
+    budget_gib = int(policy.kv_budget) / 2**30
+    print(f"trace: {label}")
+    print(
+        f"policy: {policy.deployment} ({args.policy}): {policy.model.num_layers} layers, "
+        f"{policy.model.num_kv_heads} KV heads x {policy.model.head_dim}, "
+        f"{policy.model.dtype}, KV budget {budget_gib:.1f} GiB"
+    )
+    print(f"calibration: {calibration.describe()}")
+    print(format_table(decision, snapshot))
+    return 0
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `recommend` to the command line."""
+    parser = commands.add_parser(
+        "recommend",
+        help="price every candidate block size for a trace and recommend one",
+        description=run_recommend.__doc__,
+    )
+    add_load_arguments(
+        parser,
+        trace_help=f"trace file, or '{SYNTHETIC}' for the synthetic customer-service day",
+        seed_help="seed of the synthetic day or of --rate arrivals (default: 0)",
+    )
+    parser.add_argument("--policy", required=True, help="policy YAML file (see policies/)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--current",
+        type=_positive_int,
+        default=DEFAULT_BLOCK_SIZE,
+        metavar="B",
+        help="the block size in force now, for the switch decision (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--last",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="use only the last N requests, like the online window (default: all)",
+    )
+    parser.add_argument(
+        "--phase", default=None, help="keep one phase of the synthetic day (day, promo, ...)"
+    )
+    parser.set_defaults(handler=run_recommend)

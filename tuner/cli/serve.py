@@ -1,0 +1,106 @@
+"""`blocktune serve`: run the sidecar (HTTP API + scheduled decisions) until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+__all__ = ["register"]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the policy, refuse unsafe binds, serve; on SIGTERM/SIGINT stop accepting, stop the
+    scheduler, save the state and exit 0."""
+    import logging
+    import signal
+
+    import uvicorn
+
+    from blocktune.tuner.core.calibration import CalibrationError
+    from blocktune.tuner.core.config_files import ConfigError
+    from blocktune.tuner.core.policy import load_policy
+    from blocktune.tuner.serving.http import InsecureBind, check_bind, log_event, token_from_env
+    from blocktune.tuner.serving.sidecar_app import create_sidecar_app
+    from blocktune.tuner.sidecar.sidecar import Sidecar
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("apscheduler").setLevel(logging.WARNING)
+    policy_path = Path(args.policy)
+    try:
+        policy = load_policy(policy_path)
+    except ConfigError as error:
+        for problem in error.problems:
+            print(problem, file=sys.stderr)
+        return 2
+    server = policy.server
+    host = args.host or server.host
+    port = args.port or server.port
+    if args.state_file is not None:
+        state_file = Path(args.state_file)
+    elif server.state_file is not None:
+        state_file = policy_path.parent / Path(server.state_file).expanduser()
+    else:
+        state_file = None
+    token = token_from_env(policy.auth.token_env)
+    try:
+        check_bind(host, token)
+        sidecar = Sidecar(policy, state_file=state_file, base_dir=policy_path.parent)
+    except (InsecureBind, ConfigError, CalibrationError, ValueError) as error:
+        print(f"blocktune serve: {error}", file=sys.stderr)
+        return 2
+    app = create_sidecar_app(sidecar, token=token)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    log = logging.getLogger("blocktune.sidecar")
+    log_event(log, "serving", host=host, port=port, state_file=state_file, auth=token is not None)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for
+    # the handlers it found; these keep that second delivery from killing the process.
+    previous = {sig: signal.signal(sig, _shutdown_done) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        sidecar.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _shutdown_done(_signum: int, _frame: object) -> None:
+    """The signal was handled by uvicorn's graceful shutdown already."""
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {text}")
+    return value
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `serve` to the command line."""
+    parser = commands.add_parser(
+        "serve",
+        help="run the sidecar: watch request lengths, decide the block size every interval",
+        description=(
+            "The blocktune sidecar: an HTTP service (POST /v1/observations, GET "
+            "/v1/recommendation, POST /v1/decide, GET /v1/window, /metrics, /healthz, "
+            "/readyz, /openapi.json) with the policy's sources (push, vLLM metrics, JSONL "
+            "log) and its decision every policy interval. Mutating endpoints need the bearer "
+            "token from the environment variable named by the policy's auth.token_env; "
+            "without one only a loopback address is served."
+        ),
+    )
+    parser.add_argument("--policy", required=True, metavar="FILE", help="policy YAML file")
+    parser.add_argument(
+        "--host", default=None, help="address to bind (default: the policy's, 127.0.0.1)"
+    )
+    parser.add_argument(
+        "--port", type=_port, default=None, help="port (default: the policy's, 8787)"
+    )
+    parser.add_argument(
+        "--state-file",
+        default=None,
+        metavar="PATH",
+        help="where to save and restore the window and last decision (default: the policy's)",
+    )
+    parser.set_defaults(handler=run_serve)

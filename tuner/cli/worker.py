@@ -1,0 +1,141 @@
+"""`blocktune worker`: serve the paged engine over HTTP, optionally reporting to a sidecar."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES, DEFAULT_TOKEN_ENV
+
+__all__ = ["register"]
+
+
+def parse_bytes(text: str) -> int:
+    """`64MiB`, `1GiB`, `500MB` or a plain byte count (pydantic's ByteSize rules)."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
+    try:
+        value = TypeAdapter(ByteSize).validate_python(text)
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"expected a size such as 64MiB, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return int(value)
+
+
+def candidates_and_token_env(args: argparse.Namespace) -> tuple[list[int], str]:
+    """Flags first, then the policy's candidates and auth.token_env, then the defaults."""
+    candidates, token_env = args.candidates, args.token_env
+    if args.policy is not None:
+        from blocktune.tuner.core.policy import load_policy
+
+        policy = load_policy(args.policy)
+        candidates = candidates or list(policy.candidates)
+        token_env = token_env or policy.auth.token_env
+    return candidates or list(DEFAULT_CANDIDATES), token_env or DEFAULT_TOKEN_ENV
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Load the model, start the engine loop and serve until SIGINT/SIGTERM."""
+    import logging
+
+    import uvicorn
+
+    from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.model import ModelLoadError, load_model
+    from blocktune.tuner.core.config_files import ConfigError
+    from blocktune.tuner.serving.http import InsecureBind, check_bind, token_from_env
+    from blocktune.tuner.serving.worker_app import EngineLoop, LengthPusher, create_worker_app
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        candidates, token_env = candidates_and_token_env(args)
+    except ConfigError as error:
+        print(f"blocktune worker: {error}", file=sys.stderr)
+        return 2
+    token = token_from_env(token_env)
+    try:
+        check_bind(args.host, token)
+        model = load_model(args.model, seed=args.seed, device=args.device)
+        engine = Engine(
+            model,
+            EngineConfig(
+                block_size=args.block_size,
+                kv_bytes=args.kv_bytes,
+                max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len,
+                attention_backend=args.backend,
+                candidate_block_sizes=tuple(sorted({*candidates, args.block_size})),
+            ),
+        )
+    except (InsecureBind, ModelLoadError, ValueError) as error:
+        print(f"blocktune worker: {error}", file=sys.stderr)
+        return 2
+    loop = EngineLoop(engine)
+    pusher = None
+    if args.sidecar:
+        pusher = LengthPusher(args.sidecar, token_from_env(args.sidecar_token_env))
+        engine.add_listener(pusher.observe)
+        pusher.start()
+    loop.start()
+    app = create_worker_app(loop, token=token, pusher=pusher)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        loop.stop()
+        if pusher is not None:
+            pusher.stop()
+    return 0
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `worker` to the command line."""
+    parser = commands.add_parser(
+        "worker",
+        help="serve completions on the paged engine, with live block-size swaps",
+        description=(
+            "An HTTP worker around blocktune's continuous-batching engine: POST "
+            "/v1/completions, POST /admin/block-size (bearer token), GET /admin/state, "
+            "/metrics and /healthz. With --sidecar, finished request lengths are pushed "
+            "to a blocktune sidecar."
+        ),
+    )
+    parser.add_argument("--model", default="tiny-random", help="tiny-random or a Llama folder")
+    parser.add_argument("--seed", type=int, default=0, help="seed of tiny-random weights")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--block-size", type=int, default=16, help="initial KV block size")
+    parser.add_argument(
+        "--policy",
+        default=None,
+        help="a deployment policy: its candidates and auth.token_env are the defaults here",
+    )
+    parser.add_argument(
+        "--candidates",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="B",
+        help="block sizes a swap may choose; kernels for all are compiled at start "
+        "(default: the policy's, else 8 16 32 64 128)",
+    )
+    parser.add_argument(
+        "--kv-bytes", type=parse_bytes, default=64 * 2**20, help="KV pool size (default 64MiB)"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="batch rows")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per sequence")
+    parser.add_argument("--backend", choices=("torch", "triton"), default="torch")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
+    parser.add_argument(
+        "--token-env",
+        default=None,
+        help="environment variable holding the admin bearer token "
+        "(default: the policy's auth.token_env, else BLOCKTUNE_TOKEN)",
+    )
+    parser.add_argument(
+        "--sidecar-token-env",
+        default=DEFAULT_TOKEN_ENV,
+        help="environment variable holding the sidecar's bearer token",
+    )
+    parser.set_defaults(handler=run_worker)

@@ -1,0 +1,208 @@
+"""Calibration: what the hardware charges for each block size, with where the numbers come from.
+
+A calibration YAML holds, per block size B,
+
+- ``kernel[B]``: the paged decode attention time of one layer for one sequence,
+  ``launch_s + per_block_s * ceil(ctx / B) + per_token_s * ctx`` (launch_s is
+  per layer per step, shared by the batch), fitted over a grid of context
+  lengths and batch sizes for the K/V shape in ``kernel_shape``;
+- ``host_s_per_token[B]``: BlockManager bookkeeping per generated token;
+
+and, for the device, ``memory_bandwidth_bytes_per_s`` (reading weights),
+``compute_flops_per_s`` (prefill) and ``copy_bandwidth_bytes_per_s`` (bytes a
+block copy moves per second, for swap costs). ``provenance`` says where the
+numbers come from: a measurement (device, torch and triton versions, date,
+grid) or an analytic model with its sources cited.
+
+`default_calibration()` prefers the newest measured file bundled in
+``tuner/core/data`` and falls back to the analytic model there.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from importlib import resources
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from blocktune.tuner.core.config_files import ConfigError, load_yaml_model
+from blocktune.tuner.core.policy import DTYPE_BYTES, Policy
+
+__all__ = [
+    "ANALYTIC_FILE",
+    "Calibration",
+    "CalibrationError",
+    "calibration_for",
+    "KernelCoefficients",
+    "KernelShape",
+    "Provenance",
+    "analytic_calibration",
+    "bundled_files",
+    "default_calibration",
+    "load_calibration",
+]
+
+ANALYTIC_FILE = "analytic_default.yaml"
+
+
+class CalibrationError(ValueError):
+    """A calibration that cannot serve a request (for example an uncovered block size)."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Provenance(_Frozen):
+    """Where the numbers come from: a measurement or an analytic model with cited sources."""
+
+    kind: Literal["measured", "analytic"]
+    device: str = Field(min_length=1)
+    date: datetime
+    torch: str | None = None
+    triton: str | None = None
+    backend: str | None = None
+    grid: dict[str, list[int] | int | str] | None = None
+    sources: tuple[str, ...] = ()
+    notes: str = ""
+
+    @field_validator("date")
+    @classmethod
+    def _utc(cls, value: datetime) -> datetime:
+        """Dates without a zone are UTC, so any two calibrations can be compared."""
+        return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+    @model_validator(mode="after")
+    def _documented(self) -> Provenance:
+        if self.kind == "measured" and (self.torch is None or self.grid is None):
+            raise ValueError("a measured calibration must record its torch version and grid")
+        if self.kind == "analytic" and not self.sources:
+            raise ValueError("an analytic calibration must cite its sources")
+        return self
+
+
+class KernelShape(_Frozen):
+    """The K/V shape the kernel coefficients were obtained for."""
+
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    dtype: Literal["float32", "float16", "bfloat16", "float8"]
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+
+class KernelCoefficients(_Frozen):
+    """Decode attention time of one layer: per launch, per block and per context token."""
+
+    launch_s: float = Field(ge=0)
+    per_block_s: float = Field(ge=0)
+    per_token_s: float = Field(ge=0)
+
+
+class Calibration(_Frozen):
+    """Measured or analytic costs per block size, with provenance."""
+
+    provenance: Provenance
+    kernel_shape: KernelShape
+    memory_bandwidth_bytes_per_s: float = Field(gt=0)
+    compute_flops_per_s: float = Field(gt=0)
+    copy_bandwidth_bytes_per_s: float = Field(gt=0)
+    kernel: dict[int, KernelCoefficients] = Field(min_length=1)
+    host_s_per_token: dict[int, float] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _same_block_sizes(self) -> Calibration:
+        if set(self.kernel) != set(self.host_s_per_token):
+            raise ValueError(
+                f"kernel covers block sizes {sorted(self.kernel)} but host_s_per_token covers "
+                f"{sorted(self.host_s_per_token)}; both must list the same ones"
+            )
+        if min(self.host_s_per_token.values()) < 0:
+            raise ValueError("host_s_per_token values must be >= 0")
+        return self
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.kernel))
+
+    def require(self, block_sizes: tuple[int, ...] | list[int]) -> None:
+        """Raise `CalibrationError` unless every block size in `block_sizes` is calibrated."""
+        missing = sorted(set(block_sizes) - set(self.kernel))
+        if missing:
+            raise CalibrationError(
+                f"calibration for {self.provenance.device} ({self.provenance.kind}) has no "
+                f"costs for block sizes {missing}; it covers {list(self.block_sizes)}"
+            )
+
+    def kernel_for(self, block_size: int, kv_bytes_per_token_layer: int) -> KernelCoefficients:
+        """Coefficients for `block_size`, scaled to a model whose K+V per token and layer
+        take `kv_bytes_per_token_layer` bytes (decode attention is bandwidth-bound, so the
+        per-block and per-token times scale with the bytes read)."""
+        self.require([block_size])
+        scale = kv_bytes_per_token_layer / self.kernel_shape.kv_bytes_per_token_layer
+        c = self.kernel[block_size]
+        return KernelCoefficients(
+            launch_s=c.launch_s,
+            per_block_s=c.per_block_s * scale,
+            per_token_s=c.per_token_s * scale,
+        )
+
+    def to_yaml(self) -> str:
+        """The calibration as YAML that `load_calibration` reads back unchanged."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        for key in ("kernel", "host_s_per_token"):
+            data[key] = {int(b): value for b, value in data[key].items()}
+        return yaml.safe_dump(data, sort_keys=False)
+
+    def describe(self) -> str:
+        """One line: device, kind and date."""
+        p = self.provenance
+        return f"{p.kind} calibration, {p.device}, {p.date:%Y-%m-%d}"
+
+
+def load_calibration(path: Path | str) -> Calibration:
+    """Read and validate a calibration YAML file; `ConfigError` lists every problem."""
+    return load_yaml_model(path, Calibration)
+
+
+def _data_folder() -> Path:
+    return Path(str(resources.files("blocktune.tuner.core") / "data"))
+
+
+def bundled_files(folder: Path | None = None) -> list[Path]:
+    """The calibration YAML files in `folder` (default: the package's ``data`` folder)."""
+    folder = _data_folder() if folder is None else folder
+    return sorted(folder.glob("*.yaml"))
+
+
+def analytic_calibration() -> Calibration:
+    """The bundled analytic model (cited constants), whatever else is bundled."""
+    return load_calibration(_data_folder() / ANALYTIC_FILE)
+
+
+def default_calibration(folder: Path | None = None) -> Calibration:
+    """The newest measured calibration in `folder` (default: the package's ``data``
+    folder), else the analytic model there."""
+    folder = _data_folder() if folder is None else folder
+    measured = []
+    for path in bundled_files(folder):
+        calibration = load_calibration(path)
+        if calibration.provenance.kind == "measured":
+            measured.append(calibration)
+    if measured:
+        return max(measured, key=lambda c: c.provenance.date)
+    analytic = folder / ANALYTIC_FILE
+    if not analytic.is_file():
+        raise ConfigError(analytic, [f"{analytic}: no measured calibration and no analytic model"])
+    return load_calibration(analytic)
+
+
+def calibration_for(policy: Policy, policy_dir: Path) -> Calibration:
+    """The calibration a policy names (relative to its folder), or the bundled default."""
+    path = policy.calibration_path(policy_dir)
+    return default_calibration() if path is None else load_calibration(path)

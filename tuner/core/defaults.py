@@ -1,0 +1,26 @@
+"""The defaults every part of blocktune shares, each named once.
+
+Like vLLM's ``CacheConfig.DEFAULT_BLOCK_SIZE``: a command, a policy field or a
+report that needs one of these imports it from here instead of typing it again.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_CANDIDATES",
+    "DEFAULT_POLICY",
+    "DEFAULT_TOKEN_ENV",
+]
+
+DEFAULT_BLOCK_SIZE = 16
+"""vLLM's default block size: where a deployment starts and what replays compare against."""
+
+DEFAULT_CANDIDATES = (8, 16, 32, 64, 128)
+"""The block sizes a policy chooses among when it names none."""
+
+DEFAULT_TOKEN_ENV = "BLOCKTUNE_TOKEN"
+"""The environment variable holding the bearer token of the mutating HTTP endpoints."""
+
+DEFAULT_POLICY = "default"
+"""The bundled policy used when a command is given none (``policies/default.yaml``)."""

@@ -1,0 +1,408 @@
+"""The YAML policy of one deployment: model shape, KV budget, candidates and timing.
+
+A policy file is read with `yaml.safe_load` and validated as `Policy`: unknown
+keys are rejected, every problem is reported together with its file, line and
+key path, and the result is frozen. Sizes take units ("40GiB", "512MiB",
+"40GB"), durations a number and a unit ("30s", "5m", "1h30m").
+
+Each section is a `Section` (extra keys forbidden, frozen). A later section,
+such as the sidecar's sources, server, auth or actuator, is one more optional
+`Section` field on `Policy` with a default, so existing files stay valid.
+
+Example::
+
+    deployment: support-bot
+    model: {num_layers: 32, num_heads: 32, num_kv_heads: 8, head_dim: 128,
+            dtype: bfloat16, num_params: 8.03e9}
+    kv_budget: 4GiB
+    candidates: [8, 16, 32, 64, 128]
+    window: {capacity: 1000, min_samples: 200}
+    interval: 5m
+    min_dwell: 30m
+    safety_factor: 2
+    grow_copy_fraction: 1.0   # share of live KV a grow copies (1.0: an upper bound)
+    mode: recommend
+    calibration: default
+    # the sidecar (`blocktune serve`); every section below is optional
+    sources:                  # where request lengths come from (several at once)
+      push: true              # POST /v1/observations
+      vllm_metrics: {url: "http://127.0.0.1:8000/metrics", interval: 15s}
+      jsonl_log: {path: requests.jsonl, prompt_field: usage.prompt_tokens,
+                  output_field: usage.completion_tokens}
+    server: {host: 127.0.0.1, port: 8787, state_file: blocktune-state.json}
+    auth: {token_env: BLOCKTUNE_TOKEN}      # bearer token of the mutating endpoints
+    actuator: {kind: none}    # or {kind: http, url: "http://127.0.0.1:8000"}: a worker
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import timedelta
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    model_validator,
+)
+
+from blocktune.kernels import is_power_of_two
+from blocktune.tuner.core.config_files import ConfigError, load_yaml_model
+from blocktune.tuner.core.defaults import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_CANDIDATES,
+    DEFAULT_POLICY,
+    DEFAULT_TOKEN_ENV,
+)
+
+__all__ = [
+    "DTYPE_BYTES",
+    "ActuatorSettings",
+    "AuthSettings",
+    "JsonlLogSource",
+    "ModelShape",
+    "Policy",
+    "Section",
+    "ServerSettings",
+    "Sources",
+    "VllmMetricsSource",
+    "WindowSettings",
+    "bundled_policies",
+    "load_policy",
+    "nearest_power_of_two",
+    "policy_path",
+    "parse_duration",
+]
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: object) -> object:
+    """'5m', '30s', '1h30m', '250ms' or a number of seconds -> `timedelta`.
+
+    Anything else is passed on unchanged for pydantic to reject.
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return timedelta(seconds=value)
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower()
+    parts = list(_DURATION_PART.finditer(text))
+    if not parts or "".join(p.group(0) for p in parts).replace(" ", "") != text.replace(" ", ""):
+        raise ValueError(
+            f"expected a duration such as '30s', '5m', '1h30m' or '250ms', got {value!r}"
+        )
+    return timedelta(seconds=sum(float(p.group(1)) * _UNIT_SECONDS[p.group(2)] for p in parts))
+
+
+def _positive_duration(value: timedelta) -> timedelta:
+    if value <= timedelta(0):
+        raise ValueError(f"must be longer than zero, got {value.total_seconds()} s")
+    return value
+
+
+def _non_negative_duration(value: timedelta) -> timedelta:
+    if value < timedelta(0):
+        raise ValueError(f"must not be negative, got {value.total_seconds()} s")
+    return value
+
+
+def _power_of_two(value: int) -> int:
+    if not is_power_of_two(value):
+        raise ValueError(f"block sizes must be powers of two, got {value}")
+    return value
+
+
+def _distinct_sorted(values: tuple[int, ...]) -> tuple[int, ...]:
+    if len(set(values)) != len(values):
+        raise ValueError(f"candidates are listed twice: {sorted(values)}")
+    return tuple(sorted(values))
+
+
+def _http_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
+    return value
+
+
+def _field_path(value: str) -> str:
+    if not value or any(not part for part in value.split(".")):
+        raise ValueError(
+            f"expected a field name or a dotted path such as 'usage.prompt_tokens', got {value!r}"
+        )
+    return value
+
+
+Duration = Annotated[timedelta, BeforeValidator(parse_duration), AfterValidator(_positive_duration)]
+DwellDuration = Annotated[
+    timedelta, BeforeValidator(parse_duration), AfterValidator(_non_negative_duration)
+]
+BlockSize = Annotated[int, Field(strict=True), AfterValidator(_power_of_two)]
+HttpUrl = Annotated[str, AfterValidator(_http_url)]
+FieldPath = Annotated[str, AfterValidator(_field_path)]
+
+
+class Section(BaseModel):
+    """Base of every policy section: unknown keys are errors and the values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelShape(Section):
+    """The served model: attention shape, KV dtype and weight count."""
+
+    num_layers: int = Field(gt=0)
+    num_heads: int = Field(gt=0, description="query heads")
+    num_kv_heads: int = Field(gt=0, description="K/V heads (fewer than num_heads with GQA)")
+    head_dim: int = Field(gt=0)
+    dtype: Literal["float32", "float16", "bfloat16", "float8"]
+    num_params: float = Field(gt=0, description="weights, for the per-step weight read time")
+
+    @model_validator(mode="after")
+    def _gqa_groups(self) -> ModelShape:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        return self
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        """Bytes of K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V of one token across all layers (one KV slot)."""
+        return self.num_layers * self.kv_bytes_per_token_layer
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.num_params * self.dtype_bytes
+
+
+class WindowSettings(Section):
+    """How many finished requests the length window keeps and how many a decision needs."""
+
+    capacity: int = Field(default=1000, gt=0)
+    min_samples: int = Field(default=100, gt=0)
+
+    @model_validator(mode="after")
+    def _fits(self) -> WindowSettings:
+        if self.min_samples > self.capacity:
+            raise ValueError(
+                f"min_samples ({self.min_samples}) exceeds capacity ({self.capacity}): "
+                "the window could never hold enough requests"
+            )
+        return self
+
+
+class VllmMetricsSource(Section):
+    """Scrape a vLLM server's Prometheus `/metrics` for its request-length histograms."""
+
+    url: HttpUrl
+    interval: Duration = timedelta(seconds=15)
+    timeout: Duration = timedelta(seconds=5)
+
+
+class JsonlLogSource(Section):
+    """Follow a JSONL request log (one finished request per line) through rotation.
+
+    Field names may be dotted paths into nested objects (`usage.prompt_tokens`);
+    a line without the timestamp or prefix field is observed now / without a group.
+    """
+
+    path: str = Field(min_length=1)
+    interval: Duration = timedelta(seconds=1)
+    prompt_field: FieldPath = "prompt_tokens"
+    output_field: FieldPath = "output_tokens"
+    timestamp_field: FieldPath | None = "timestamp"
+    prefix_field: FieldPath | None = "prefix_group"
+    start_at: Literal["end", "beginning"] = Field(
+        default="end", description="where to start in a file that exists at start-up"
+    )
+
+
+class Sources(Section):
+    """Where the sidecar's request lengths come from; several may be on at once."""
+
+    push: bool = Field(default=True, description="accept POST /v1/observations")
+    vllm_metrics: VllmMetricsSource | None = None
+    jsonl_log: JsonlLogSource | None = None
+
+    @model_validator(mode="after")
+    def _at_least_one(self) -> Sources:
+        if not self.push and self.vllm_metrics is None and self.jsonl_log is None:
+            raise ValueError(
+                "no source is on: set push: true or configure vllm_metrics or jsonl_log"
+            )
+        return self
+
+
+class ServerSettings(Section):
+    """Where `blocktune serve` listens, where it keeps its state, and the starting size."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    port: int = Field(default=8787, ge=1, le=65535)
+    state_file: str | None = Field(default=None, min_length=1)
+    initial_block_size: BlockSize | None = Field(
+        default=None,
+        description=(
+            "block size assumed in force until a source, the worker or the state file "
+            f"reports one (default: {DEFAULT_BLOCK_SIZE}, or the candidate nearest to it)"
+        ),
+    )
+
+
+class AuthSettings(Section):
+    """The environment variable holding the bearer token of the mutating endpoints."""
+
+    token_env: str | None = Field(default=DEFAULT_TOKEN_ENV, min_length=1)
+
+
+class ActuatorSettings(Section):
+    """What applies a switch in `mode: enforce`: nothing, or a blocktune worker over HTTP."""
+
+    kind: Literal["none", "http"] = "none"
+    url: HttpUrl | None = Field(default=None, description="the worker's base URL")
+    token_env: str | None = Field(default=DEFAULT_TOKEN_ENV, min_length=1)
+    timeout: Duration = Field(
+        default=timedelta(seconds=90), description="per attempt; a swap waits for a step"
+    )
+    retries: int = Field(default=3, ge=0, le=10, description="retries of a transient failure")
+    backoff: Duration = Field(default=timedelta(seconds=0.5), description="first retry delay")
+
+    @model_validator(mode="after")
+    def _url_for_http(self) -> ActuatorSettings:
+        if self.kind == "http" and self.url is None:
+            raise ValueError("kind: http needs the worker's url (e.g. http://127.0.0.1:8000)")
+        if self.kind == "none" and self.url is not None:
+            raise ValueError("url is set but kind is none: set kind: http to use the worker")
+        return self
+
+
+class Policy(Section):
+    """One deployment's tuning policy (see the module docstring for the file format)."""
+
+    deployment: str = Field(min_length=1)
+    model: ModelShape
+    kv_budget: Annotated[ByteSize, Field(gt=0)]
+    candidates: Annotated[
+        tuple[BlockSize, ...], Field(min_length=1), AfterValidator(_distinct_sorted)
+    ] = DEFAULT_CANDIDATES
+    window: WindowSettings = WindowSettings()
+    interval: Duration = timedelta(minutes=5)
+    min_dwell: DwellDuration = timedelta(minutes=30)
+    safety_factor: float = Field(default=2.0, ge=1.0)
+    grow_copy_fraction: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "share of the live KV a grow of the block size copies, for the swap cost: 1.0 "
+            "bounds it from above; blocktune's engine, whose allocator keeps runs aligned, "
+            "copied none of it on Azure conversation lengths (bench/hot_swap.py)"
+        ),
+    )
+    mode: Literal["recommend", "enforce"] = "recommend"
+    calibration: str = Field(
+        default="default", min_length=1, description="'default' or a YAML path"
+    )
+    sources: Sources = Sources()
+    server: ServerSettings = ServerSettings()
+    auth: AuthSettings = AuthSettings()
+    actuator: ActuatorSettings = ActuatorSettings()
+
+    @model_validator(mode="after")
+    def _budget_holds_a_block(self) -> Policy:
+        largest = max(self.candidates) * self.model.kv_bytes_per_token
+        if self.kv_budget < largest:
+            raise ValueError(
+                f"kv_budget ({int(self.kv_budget)} bytes) holds no block of the largest "
+                f"candidate ({max(self.candidates)} tokens = {largest} bytes)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sidecar_sections_agree(self) -> Policy:
+        initial = self.server.initial_block_size
+        if initial is not None and initial not in self.candidates:
+            raise ValueError(
+                f"server.initial_block_size {initial} is not among the candidates "
+                f"{list(self.candidates)}"
+            )
+        if self.actuator.kind == "http" and self.sources.vllm_metrics is not None:
+            raise ValueError(
+                "actuator kind http swaps a blocktune worker's block size, but the lengths come "
+                "from a vLLM server (sources.vllm_metrics), which fixes its block size at "
+                "start-up: use actuator kind none (recommendations)"
+            )
+        return self
+
+    @property
+    def starting_block_size(self) -> int:
+        """The block size assumed in force before anything reports one."""
+        if self.server.initial_block_size is not None:
+            return self.server.initial_block_size
+        return nearest_power_of_two(DEFAULT_BLOCK_SIZE, self.candidates)
+
+    def calibration_path(self, base: Path) -> Path | None:
+        """The calibration file (relative paths start at `base`), or None for the default."""
+        if self.calibration == "default":
+            return None
+        path = Path(self.calibration).expanduser()
+        return path if path.is_absolute() else base / path
+
+
+def nearest_power_of_two(tokens: float, candidates: tuple[int, ...]) -> int:
+    """The candidate nearest to `tokens` in log2 (ties to the smaller), clamped to the range."""
+    if not tokens > 0:
+        return min(candidates)
+    target = math.log2(tokens)
+    return min(candidates, key=lambda b: (abs(math.log2(b) - target), b))
+
+
+def bundled_policies() -> dict[str, Path]:
+    """The policies shipped with blocktune, by file stem (``default``, ``long_document``, ...)."""
+    folder = Path(str(resources.files("blocktune.policies")))
+    return {path.stem: path for path in sorted(folder.glob("*.yaml"))}
+
+
+def policy_path(name_or_path: Path | str) -> Path:
+    """The file of a policy given as a path or as a bundled policy's stem.
+
+    An existing file wins; a bare name (``customer_service_llama8b``) that is no
+    file here is looked up among the bundled policies, so commands work from any
+    directory and from an installed wheel.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file() or path.parent != Path(".") or path.suffix not in ("", ".yaml"):
+        return path
+    bundled = bundled_policies()
+    if path.stem in bundled:
+        return bundled[path.stem]
+    problem = f"{path}: no such file, and no bundled policy of that name ({', '.join(bundled)})"
+    raise ConfigError(path, [problem])
+
+
+def load_policy(name_or_path: Path | str = DEFAULT_POLICY) -> Policy:
+    """Read and validate a policy file or bundled policy; `ConfigError` lists every problem."""
+    return load_yaml_model(policy_path(name_or_path), Policy)

@@ -1,0 +1,434 @@
+"""A continuous-batching server with a paged KV cache, simulated by jumping between events.
+
+The engine it models is `blocktune.runtime.engine`, with the cost model's step
+convention (a request generates a token in its admission step too, so it holds
+p + t tokens in its t-th step, as `tuner.block_replay` and the cost model count
+it). Every step
+
+1. admits waiting requests, oldest first (preempted ones go back to the
+   front), while the blocks they need for this step are free, after the blocks
+   the running requests need for this step; each of a request's shareable
+   prefix blocks (`Workload.shared_blocks`) is taken from the prefix cache when
+   present there (blocks are matched one by one, by their chained key);
+2. prefills what is not cached (a preempted request recomputes its prompt and
+   the tokens it had generated);
+3. generates one token for every running request, the admitted ones included,
+   taking a new block for each request whose last block is full; when the
+   pool has too few, the youngest running requests are preempted (their blocks
+   freed) until the rest fit;
+4. frees the blocks of requests that generated their last token.
+
+A request of p prompt and o output tokens thus spends o steps in the batch
+unless preempted. Prefix blocks are reference-counted; a
+block no request holds stays cached until a new block needs its slot (least
+recently released first). Requests of a `Workload` must fit the pool alone.
+
+Between events (an arrival while nothing waits, a finish, a pool overflow, a
+controller's decision time) the running set is fixed, so the steps' blocks and
+times follow in closed form: `_Server` computes them for a stretch of steps at
+once with numpy instead of looping per step.
+
+A `Controller` changes the block size at interval boundaries of trace time (at
+the first step boundary after each). A switch rebuilds the running requests'
+blocks at the new size (preempting the youngest if they no longer fit) and, if
+the controller says so, pauses the server for `ServerModel.swap_pause_s`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from blocktune.tuner.replay.step_cost import ServerModel
+from blocktune.tuner.replay.workload import Workload
+
+__all__ = ["Controller", "Run", "simulate"]
+
+HORIZON_STEPS = 64
+"""Steps priced at once while looking for the next event (a longer stretch continues)."""
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class Controller(Protocol):
+    """Chooses the block size at interval boundaries; sees every finished request."""
+
+    interval_s: float
+    charges_swaps: bool
+
+    def observe(self, requests: np.ndarray, finish_s: np.ndarray) -> None:
+        """Requests (workload row numbers) that finished at `finish_s`, in finish order."""
+
+    def decide(self, now: float, boundary: int, block_size: int) -> int:
+        """The block size from boundary `boundary` (time `boundary * interval_s`) on."""
+
+
+class Progress(Protocol):
+    """Anything with tqdm's `update(n)`."""
+
+    def update(self, n: int) -> object: ...
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one simulated policy did: per-request times and the integrated counters.
+
+    `block_size` is the size the run started at. Times are seconds of trace
+    time; `first_token_s` and `finish_s` are per workload row; slot-steps are
+    token slots summed over steps; `kv_byte_s` integrates the KV bytes held over
+    time. `switches` lists (boundary, time, new size).
+    """
+
+    block_size: int
+    first_token_s: np.ndarray
+    finish_s: np.ndarray
+    generated: np.ndarray
+    steps: int
+    preemptions: int
+    swaps: int
+    swap_pause_s: float
+    peak_kv_bytes: int
+    peak_blocks: int
+    kv_byte_s: float
+    allocated_slot_steps: int
+    used_slot_steps: int
+    busy_s: float
+    switches: list[tuple[int, float, int]]
+
+    @property
+    def end_s(self) -> float:
+        return float(np.max(self.finish_s))
+
+    @property
+    def padding_ratio(self) -> float:
+        """Allocated but unused share of KV slots, summed over steps."""
+        return 1 - self.used_slot_steps / max(1, self.allocated_slot_steps)
+
+
+def simulate(
+    workload: Workload,
+    server: ServerModel,
+    block_size: int,
+    *,
+    controller: Controller | None = None,
+    progress: Progress | None = None,
+) -> Run:
+    """Replay `workload` on `server`, starting at `block_size` (fixed without a controller)."""
+    return _Server(workload, server, block_size, controller, progress).run()
+
+
+class _Server:
+    """The state of one simulated server (see the module docstring).
+
+    Running requests are kept in arrays that do not change from step to step:
+    with G the steps run so far, request j holds ``base[j] + G`` tokens and
+    generates its last token in step ``last[j]``; `base_counts[r]` counts the
+    running requests with ``base % B == r`` (those needing a new block in the
+    steps where G + 1 + base is a multiple of B).
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        server: ServerModel,
+        block_size: int,
+        controller: Controller | None,
+        progress: Progress | None,
+    ) -> None:
+        self.w = workload
+        self.server = server
+        self.controller = controller
+        self.progress = progress
+        self.slot_bytes = server.kv_bytes_per_slot
+        n = len(workload)
+        self.first_token = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.generated = np.zeros(n, dtype=np.int64)
+        # Running requests, oldest admission first: row, base, last step, shared blocks.
+        self.ids, self.base, self.last, self.shared = _EMPTY, _EMPTY, _EMPTY, _EMPTY
+        self.steps = 0  # G
+        self.sum_base = 0
+        self.sum_shared = 0
+        self.table_blocks = 0  # sum over running requests of ceil(held / B)
+        self.refs: dict[tuple[int, int], int] = {}  # prefix blocks held, with their refcounts
+        self.evictable: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.keys_of: dict[int, list[tuple[int, int]]] = {}
+        self.waiting: deque[int] = deque()
+        # (head of the queue, blocks it needs) after it did not fit; cleared when blocks free
+        self.blocked: tuple[int, int] | None = None
+        self.next_arrival = 0
+        self.t = 0.0
+        self.next_boundary = 1
+        self.counters = {"preemptions": 0, "swaps": 0, "alloc": 0, "used": 0}
+        self.peak_bytes = self.peak_blocks = 0
+        self.kv_byte_s = self.busy_s = self.pause_s = 0.0
+        self.prefill_tokens = 0  # prompt tokens computed in the coming step
+        self.switches: list[tuple[int, float, int]] = []
+        self._offsets = np.arange(HORIZON_STEPS, dtype=np.int64)
+        self._set_block_size(block_size)
+        self.initial_block_size = block_size
+        largest = int(workload.total_tokens.max())
+        if -(-largest // block_size) > self.num_blocks:
+            raise ValueError(
+                f"a request of {largest} tokens does not fit the pool of {self.num_blocks} "
+                f"blocks of {block_size} tokens; drop such requests before replaying"
+            )
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> Run:
+        arrivals = self.w.arrival_s
+        total = len(self.w)
+        while True:
+            while self.next_arrival < total and arrivals[self.next_arrival] <= self.t:
+                self.waiting.append(self.next_arrival)
+                self.next_arrival += 1
+            if self.controller is not None:
+                self._maybe_decide()
+            admitted = bool(self.waiting) and self._admit()
+            if not len(self.ids):
+                assert not self.waiting, "a waiting request does not fit an empty pool"
+                if self.next_arrival == total:
+                    break
+                self.t = max(self.t, min(arrivals[self.next_arrival], self._boundary_time()))
+                continue
+            if self._need() > self.num_blocks - self._referenced():
+                self._preempt_until_fits()
+                continue
+            self._advance(admitted)
+        return Run(
+            block_size=self.initial_block_size,
+            first_token_s=self.first_token,
+            finish_s=self.finish,
+            generated=self.generated,
+            steps=self.steps,
+            preemptions=self.counters["preemptions"],
+            swaps=self.counters["swaps"],
+            swap_pause_s=self.pause_s,
+            peak_kv_bytes=self.peak_bytes,
+            peak_blocks=self.peak_blocks,
+            kv_byte_s=self.kv_byte_s,
+            allocated_slot_steps=self.counters["alloc"],
+            used_slot_steps=self.counters["used"],
+            busy_s=self.busy_s,
+            switches=self.switches,
+        )
+
+    def _boundary_time(self) -> float:
+        if self.controller is None:
+            return math.inf
+        return self.next_boundary * self.controller.interval_s
+
+    # ---------------------------------------------------------------- the pool
+    def _set_block_size(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = self.server.num_blocks(block_size)
+        self.cost = self.server.step_cost(block_size)
+        self.base_counts = np.bincount(self.base % block_size, minlength=block_size)
+        self.table_blocks = int((-(-(self.base + self.steps) // block_size)).sum())
+
+    def _need(self) -> int:
+        """New blocks the running requests take in the next step."""
+        return int(self.base_counts[-self.steps % self.block_size])
+
+    def _referenced(self) -> int:
+        """Blocks held by running requests (shared prefix blocks once)."""
+        return self.table_blocks - self.sum_shared + len(self.refs)
+
+    def _evict_to_fit(self) -> None:
+        spare = self.num_blocks - self._referenced()
+        while len(self.evictable) > spare:
+            self.evictable.popitem(last=False)
+
+    def _release(self, request: int) -> None:
+        self.blocked = None
+        for key in reversed(self.keys_of.pop(request, ())):
+            count = self.refs[key] - 1
+            if count:
+                self.refs[key] = count
+            else:
+                del self.refs[key]
+                self.evictable[key] = None
+
+    def _remove(self, keep: np.ndarray) -> None:
+        size, gone = self.block_size, self.base[~keep]
+        self.table_blocks -= int((-(-(gone + self.steps) // size)).sum())
+        self.sum_base -= int(gone.sum())
+        self.base_counts -= np.bincount(gone % size, minlength=size)
+        self.ids, self.base = self.ids[keep], self.base[keep]
+        self.last, self.shared = self.last[keep], self.shared[keep]
+        self.sum_shared = int(self.shared.sum())
+
+    # ---------------------------------------------------------------- admission
+    def _admit(self) -> bool:
+        """Admit waiting requests that fit after the running ones' blocks for this step;
+        their prefill time goes into this step. True if any was admitted."""
+        size, w, steps = self.block_size, self.w, self.steps
+        available = self.num_blocks - self._referenced() - self._need()
+        if self.blocked and self.blocked[0] == self.waiting[0] and self.blocked[1] > available:
+            return False
+        rows, bases, lasts, shares, prefill = [], [], [], [], 0
+        while self.waiting:
+            request = self.waiting[0]
+            held = int(w.prompt_tokens[request] + self.generated[request])
+            shared = w.shared_blocks(request, held, size) if request in w.chains else 0
+            keys = w.prefix_keys(request, shared, size) if shared else []
+            held_hits = sum(1 for k in keys if k in self.refs)
+            cached_hits = sum(1 for k in keys if k in self.evictable)
+            blocks = -(-(held + 1) // size) - held_hits
+            if blocks > available:
+                self.blocked = (request, blocks)
+                break
+            available -= blocks
+            self.waiting.popleft()
+            for key in keys:
+                if key in self.evictable:
+                    del self.evictable[key]
+                self.refs[key] = self.refs.get(key, 0) + 1
+            if keys:
+                self.keys_of[request] = keys
+            prefill += held - (held_hits + cached_hits) * size
+            rows.append(request)
+            bases.append(held - steps)
+            lasts.append(steps + int(w.output_tokens[request] - self.generated[request]))
+            shares.append(shared)
+            self.base_counts[(held - steps) % size] += 1
+            self.table_blocks += -(-held // size)
+        if not rows:
+            return False
+        self.ids = np.concatenate((self.ids, rows))
+        self.base = np.concatenate((self.base, bases))
+        self.last = np.concatenate((self.last, lasts))
+        self.shared = np.concatenate((self.shared, shares))
+        self.sum_base += sum(bases)
+        self.sum_shared += sum(shares)
+        self.prefill_tokens = prefill
+        self._evict_to_fit()
+        return True
+
+    def _preempt_youngest(self) -> None:
+        """Free the blocks of the latest-arrived running request and queue it first."""
+        index = int(np.argmax(self.ids))
+        request = int(self.ids[index])
+        held = int(self.base[index]) + self.steps
+        self.generated[request] = held - int(self.w.prompt_tokens[request])
+        self._release(request)
+        keep = np.ones(len(self.ids), dtype=bool)
+        keep[index] = False
+        self._remove(keep)
+        self.waiting.appendleft(request)
+        self.counters["preemptions"] += 1
+
+    def _preempt_until_fits(self) -> None:
+        """Preempt until every running request's block for the next step is free."""
+        while self._need() > self.num_blocks - self._referenced():
+            self._preempt_youngest()
+
+    # ---------------------------------------------------------------- steps
+    def _advance(self, admitted: bool) -> None:
+        """Run the steps up to the next event, in closed form; finish whoever is done."""
+        size, cost, n, steps = self.block_size, self.cost, len(self.ids), self.steps
+        first_finish = int(self.last.min()) - steps
+        horizon = min(first_finish, HORIZON_STEPS)
+        offsets = self._offsets[:horizon]
+        new_blocks = self.base_counts[(-steps - offsets) % size]
+        table_blocks = self.table_blocks + np.cumsum(new_blocks)
+        duplicates = self.sum_shared - len(self.refs)
+        referenced = table_blocks - duplicates
+        held = self.sum_base + n * steps  # tokens held before these steps
+        step_s = cost.per_block_s * table_blocks + (cost.per_token_s * n) * offsets
+        step_s += cost.fixed_s + cost.per_token_s * (held + n) + cost.per_sequence_s * n
+        if admitted:
+            step_s[0] += self.prefill_tokens * cost.prefill_s_per_token
+        ends = self.t + np.cumsum(step_s)
+        k = horizon
+        if referenced[-1] > self.num_blocks:  # referenced never decreases between events
+            k = int(np.searchsorted(referenced, self.num_blocks, side="right"))
+            assert k >= 1, "the admission check leaves room for the first step"
+        if not self.waiting and self.next_arrival < len(self.w):
+            arrival = self.w.arrival_s[self.next_arrival]
+            k = min(k, int(np.searchsorted(ends, arrival, side="left")) + 1)
+        boundary = self._boundary_time()
+        if boundary < math.inf:
+            k = min(k, int(np.searchsorted(ends, boundary, side="left")) + 1)
+        unique_tokens = k * held + n * k * (k + 1) // 2 - k * duplicates * size
+        self._account(referenced[:k], step_s[:k], unique_tokens, float(ends[k - 1]) - self.t)
+        if admitted:
+            new = np.isnan(self.first_token[self.ids])
+            self.first_token[self.ids[new]] = ends[0]
+        self.t = float(ends[k - 1])
+        self.table_blocks = int(table_blocks[k - 1])
+        self.steps = steps + k
+        if k == first_finish:
+            self._finish(self.last == self.steps)
+        self._evict_to_fit()
+
+    def _finish(self, done: np.ndarray) -> None:
+        """Free the requests that generated their last token in the step just run."""
+        finished = self.ids[done]
+        self.finish[finished] = self.t
+        self.generated[finished] = self.w.output_tokens[finished]
+        for request in finished.tolist():
+            self._release(request)
+        self._remove(~done)
+        if self.controller is not None:
+            self.controller.observe(finished, np.full(len(finished), self.t))
+        if self.progress is not None:
+            self.progress.update(len(finished))
+
+    def _account(
+        self, referenced: np.ndarray, step_s: np.ndarray, unique_tokens: int, busy_s: float
+    ) -> None:
+        """Add a stretch of steps to the counters (blocks held and times per step)."""
+        size, counters = self.block_size, self.counters
+        counters["alloc"] += int(referenced.sum()) * size
+        counters["used"] += unique_tokens
+        peak = int(referenced[-1])
+        self.peak_blocks = max(self.peak_blocks, peak)
+        self.peak_bytes = max(self.peak_bytes, peak * size * self.slot_bytes)
+        self.kv_byte_s += float(referenced @ step_s) * size * self.slot_bytes
+        self.busy_s += busy_s
+
+    # ---------------------------------------------------------------- block-size changes
+    def _maybe_decide(self) -> None:
+        controller = self.controller
+        if self.t < self._boundary_time():
+            return
+        boundary = max(self.next_boundary, int(self.t // controller.interval_s))
+        self.next_boundary = boundary + 1
+        new_size = controller.decide(self.t, boundary, self.block_size)
+        if new_size != self.block_size:
+            self._swap(boundary, new_size)
+
+    def _swap(self, boundary: int, new_size: int) -> None:
+        """Rebuild the running requests' blocks at `new_size`; pause for the copy."""
+        old_size = self.block_size
+        held = self.sum_base + len(self.ids) * self.steps
+        live_tokens = held - (self.sum_shared - len(self.refs)) * old_size
+        pause = (
+            self.server.swap_pause_s(live_tokens, old_size, new_size)
+            if self.controller.charges_swaps
+            else 0.0
+        )
+        held_bytes = self._referenced() * old_size * self.slot_bytes
+        self._set_block_size(new_size)
+        self.shared = self.shared * old_size // new_size
+        self.refs, self.evictable, self.keys_of = {}, OrderedDict(), {}
+        self.blocked = None
+        for request, shared in zip(self.ids.tolist(), self.shared.tolist(), strict=True):
+            if shared:
+                keys = self.w.prefix_keys(request, shared, new_size)
+                self.keys_of[request] = keys
+                for key in keys:
+                    self.refs[key] = self.refs.get(key, 0) + 1
+        self.sum_shared = int(self.shared.sum())
+        while self._referenced() > self.num_blocks:
+            self._preempt_youngest()
+        self.kv_byte_s += held_bytes * pause
+        self.t += pause
+        self.pause_s += pause
+        self.counters["swaps"] += 1
+        self.switches.append((boundary, self.t, new_size))

@@ -1,0 +1,98 @@
+"""The simulated server: KV pool size and engine step time per block size, from the calibration.
+
+One engine step generates one token for every running request. Its time, in
+seconds, with L layers and the calibrated coefficients of `CostModel.kernel(B)`
+(already scaled to the policy's K/V bytes per token and layer):
+
+    step_s = W / bw + L * launch_B                       weights read once, kernel launches
+           + L * per_block_B * sum_j ceil(ctx_j / B)      block-table translation
+           + L * per_token_B * sum_j ctx_j                K/V bytes read
+           + host_B * n                                   BlockManager work per token
+           + prefill_tokens * 2 N / flops                 prompts computed in this step
+
+with W the weight bytes, N the parameters, bw the memory bandwidth and flops
+the matmul throughput of the calibration, ctx_j the tokens request j holds, n
+the running requests. The pool holds `CostModel.capacity_slots(B)` token slots
+in whole blocks, as the engine sizes it from the KV budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from blocktune.tuner.core.calibration import Calibration
+from blocktune.tuner.core.cost_model import CostModel
+from blocktune.tuner.core.policy import Policy
+
+__all__ = ["ServerModel", "StepCost"]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Coefficients of one engine step at one block size (see the module docstring) [s]."""
+
+    fixed_s: float
+    per_block_s: float
+    per_token_s: float
+    per_sequence_s: float
+    prefill_s_per_token: float
+
+
+@dataclass(frozen=True)
+class ServerModel:
+    """The pool and step costs of a deployment (`policy`) on a device (`calibration`).
+
+    `fixed_step_s` replaces the calibrated step time by a constant (every other
+    term zero), to compare with a stepped replay such as `blocktune demo`.
+    """
+
+    policy: Policy
+    calibration: Calibration
+    fixed_step_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.fixed_step_s is not None and not self.fixed_step_s > 0:
+            raise ValueError(f"fixed_step_s must be a positive number, got {self.fixed_step_s}")
+
+    @cached_property
+    def cost_model(self) -> CostModel:
+        return CostModel(self.policy, self.calibration)
+
+    @property
+    def kv_bytes_per_slot(self) -> int:
+        """Bytes of K and V of one token across all layers."""
+        return self.policy.model.kv_bytes_per_token
+
+    def capacity_slots(self, block_size: int) -> int:
+        """Token slots of the KV budget in whole blocks of `block_size`."""
+        return self.cost_model.capacity_slots(block_size)
+
+    def num_blocks(self, block_size: int) -> int:
+        """Blocks of `block_size` tokens in the KV budget."""
+        return self.capacity_slots(block_size) // block_size
+
+    def step_cost(self, block_size: int) -> StepCost:
+        """The step-time coefficients at `block_size`."""
+        if self.fixed_step_s is not None:
+            return StepCost(self.fixed_step_s, 0.0, 0.0, 0.0, 0.0)
+        model, calibration = self.policy.model, self.calibration
+        kernel = self.cost_model.kernel(block_size)
+        layers = model.num_layers
+        return StepCost(
+            fixed_s=model.weight_bytes / calibration.memory_bandwidth_bytes_per_s
+            + layers * kernel.launch_s,
+            per_block_s=layers * kernel.per_block_s,
+            per_token_s=layers * kernel.per_token_s,
+            per_sequence_s=calibration.host_s_per_token[block_size],
+            prefill_s_per_token=2 * model.num_params / calibration.compute_flops_per_s,
+        )
+
+    def swap_pause_s(self, live_tokens: int, old_block_size: int, new_block_size: int) -> float:
+        """Modelled pause of a block-size swap, as the selector prices it: a shrink moves
+        nothing; a grow copies `policy.grow_copy_fraction` (1.0 by default, an upper bound)
+        of the live tokens' K and V, at the calibrated copy bandwidth."""
+        if new_block_size <= old_block_size:
+            return 0.0
+        moved = live_tokens * self.kv_bytes_per_slot * self.policy.grow_copy_fraction
+        return moved / self.calibration.copy_bandwidth_bytes_per_s

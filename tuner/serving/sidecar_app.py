@@ -1,0 +1,193 @@
+"""The sidecar's HTTP API: a FastAPI app around a `Sidecar`.
+
+| endpoint                 | what                                                        |
+|--------------------------|-------------------------------------------------------------|
+| `POST /v1/observations`  | push finished requests (token; <= 10,000 per call)          |
+| `GET /v1/recommendation` | the last decision, the size in force, the next run, a swap  |
+| `POST /v1/decide`        | decide now (token)                                          |
+| `GET /v1/window`         | the window's statistics and histogram                       |
+| `GET /metrics`           | Prometheus exposition (a registry of this app's own)        |
+| `GET /healthz`, `/readyz`| alive; scheduler running and a source able to deliver       |
+
+The app's lifespan starts the sidecar and stops it (which saves its state) on
+shutdown. Mutating endpoints take the bearer token when one is configured;
+bodies over 1 MiB are refused by `BodyLimit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from blocktune import __version__
+from blocktune.tuner.serving.http import BearerAuth, BodyLimit
+from blocktune.tuner.sidecar.sidecar import PushDisabled, Sidecar, plain
+from blocktune.tuner.sidecar.sources import (
+    MAX_OBSERVATIONS,
+    InvalidObservations,
+    Observation,
+    TooManyObservations,
+)
+
+__all__ = ["create_sidecar_app"]
+
+
+def _observations_body() -> dict:
+    item = Observation.model_json_schema()
+    items = {"type": "array", "maxItems": MAX_OBSERVATIONS, "items": item}
+    wrapped = {
+        "type": "object",
+        "properties": {"observations": items},
+        "required": ["observations"],
+        "additionalProperties": False,
+    }
+    schema = {"anyOf": [items, wrapped]}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _json(body: object, status_code: int = 200) -> Response:
+    text = json.dumps(plain(body), allow_nan=False, separators=(",", ":"))
+    return Response(text, status_code=status_code, media_type="application/json")
+
+
+class _SidecarMetrics:
+    """A prometheus_client collector reading the sidecar at scrape time."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
+
+    def collect(self):
+        m = self._sidecar.metrics()
+        if m["recommended_block_size"] is not None:
+            yield GaugeMetricFamily(
+                "blocktune_recommended_block_size",
+                "block size of the last decision (the size to run; equals current when keeping)",
+                value=m["recommended_block_size"],
+            )
+        yield GaugeMetricFamily(
+            "blocktune_current_block_size",
+            "block size in force (as reported by the engine, worker or vLLM)",
+            value=m["current_block_size"],
+        )
+        yield GaugeMetricFamily(
+            "blocktune_window_requests", "requests in the length window", value=m["window_requests"]
+        )
+        padding = GaugeMetricFamily(
+            "blocktune_padding_ratio",
+            "padding share of allocated KV slots at each candidate, for the last decision's window",
+            labels=["block_size"],
+        )
+        for size, ratio in sorted(m["padding_ratio"].items()):
+            padding.add_metric([str(size)], ratio)
+        yield padding
+        decisions = CounterMetricFamily(
+            "blocktune_decisions", "decisions by whether they switch", labels=["switch"]
+        )
+        for switch, count in sorted(m["decisions"].items()):
+            decisions.add_metric([switch], count)
+        yield decisions
+        yield CounterMetricFamily(
+            "blocktune_collector_failures",
+            "decision runs that raised",
+            value=m["collector_failures"],
+        )
+        yield CounterMetricFamily(
+            "blocktune_observations", "finished requests observed", value=m["observations"]
+        )
+        errors = CounterMetricFamily(
+            "blocktune_source_errors",
+            "failed polls, bad lines and rejected batches, by source",
+            labels=["source"],
+        )
+        for source, count in sorted(m["source_errors"].items()):
+            errors.add_metric([source], count)
+        yield errors
+        if m["swaps"] is not None:
+            swaps = CounterMetricFamily(
+                "blocktune_swaps", "block-size swaps asked of the actuator", labels=["status"]
+            )
+            for status, count in m["swaps"].items():
+                swaps.add_metric([status], count)
+            yield swaps
+
+
+def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI:
+    """The sidecar's FastAPI app; its lifespan starts and stops `sidecar`."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        sidecar.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(sidecar.stop)
+
+    app = FastAPI(
+        title="blocktune sidecar",
+        version=__version__,
+        description="Watches request lengths and decides the KV block size every interval.",
+        lifespan=lifespan,
+    )
+    app.add_middleware(BodyLimit)
+    auth = BearerAuth(token)
+    registry = CollectorRegistry()
+    registry.register(_SidecarMetrics(sidecar))
+
+    @app.post(
+        "/v1/observations",
+        dependencies=[Depends(auth)],
+        openapi_extra=_observations_body(),
+        summary="Push finished requests into the length window (all or nothing)",
+    )
+    async def observations(request: Request) -> Response:
+        try:
+            payload = json.loads(await request.body())
+        except (ValueError, RecursionError) as error:
+            return _json({"detail": f"the body is not JSON: {error}"}, 400)
+        try:
+            accepted = sidecar.push(payload)
+        except PushDisabled as error:
+            return _json({"detail": str(error)}, 403)
+        except TooManyObservations as error:
+            return _json({"detail": str(error), "limit": MAX_OBSERVATIONS}, 413)
+        except InvalidObservations as error:
+            return _json({"detail": str(error), "errors": error.errors}, 422)
+        return _json({"accepted": accepted, "window_requests": len(sidecar.window)})
+
+    @app.get("/v1/recommendation", summary="The last decision and the block size in force")
+    async def recommendation() -> Response:
+        return _json(sidecar.recommendation())
+
+    @app.post("/v1/decide", dependencies=[Depends(auth)], summary="Decide now")
+    async def decide() -> Response:
+        decision = await asyncio.to_thread(sidecar.decide)
+        if decision is None:
+            detail = f"the decision run failed: {sidecar.collector.last_error}"
+            return _json({"detail": detail}, 503)
+        return _json(sidecar.recommendation())
+
+    @app.get("/v1/window", summary="Window statistics and histogram")
+    async def window() -> Response:
+        return _json(sidecar.window_stats())
+
+    @app.get("/metrics", summary="Prometheus metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz", summary="The process is alive")
+    async def healthz() -> Response:
+        return _json({"status": "ok"})
+
+    @app.get("/readyz", summary="Scheduler running and a source able to deliver")
+    async def readyz() -> Response:
+        readiness = sidecar.readiness()
+        return _json(readiness, 200 if readiness["ready"] else 503)
+
+    return app

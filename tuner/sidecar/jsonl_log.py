@@ -1,0 +1,174 @@
+"""Request lengths from a JSONL request log that a server appends to.
+
+Each line is one finished request, a JSON object whose fields (configurable,
+dotted paths for nested objects) give the prompt and output lengths and,
+optionally, the finish time and prefix group. The follower keeps the file open
+and reads what was appended since the last poll (at most `max_bytes` per poll;
+the rest waits for the next one). It survives
+
+- rotation (the path now names another file, e.g. logrotate's rename): the
+  old file is read to its end, then the new one from its start;
+- truncation (copytruncate, or `> file`): the file is read again from its start;
+- a missing file: the poll fails (and is counted) until the file appears.
+
+A line that is not JSON, not an object, or whose fields are missing or invalid
+is skipped and counted as a source error; a partial last line waits for its
+newline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from blocktune.tuner.core.policy import JsonlLogSource as JsonlSettings
+from blocktune.tuner.sidecar.sources import Observation, Observations, PollingSource, Sink
+
+__all__ = ["JsonlLogFollower"]
+
+MAX_BYTES_PER_POLL = 8 << 20
+
+
+class _BadLine(ValueError):
+    """A log line that is not a usable finished-request record."""
+
+
+_ABSENT = object()
+
+
+def _lookup(record: dict, path: str) -> object:
+    """The value at a dotted path, or `_ABSENT`."""
+    value: object = record
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
+
+
+class JsonlLogFollower(PollingSource):
+    """Follows one JSONL request log through appends, rotation and truncation."""
+
+    name = "jsonl_log"
+
+    def __init__(
+        self,
+        settings: JsonlSettings,
+        sink: Sink,
+        *,
+        base: Path = Path("."),
+        clock: Callable[[], float] = time.time,
+        max_bytes: int = MAX_BYTES_PER_POLL,
+    ) -> None:
+        self.settings = settings
+        self.interval_s = settings.interval.total_seconds()
+        super().__init__()
+        path = Path(settings.path).expanduser()
+        self.path = path if path.is_absolute() else base / path
+        self._sink = sink
+        self._clock = clock
+        self._max_bytes = max_bytes
+        self._file = None
+        self._partial = b""
+        self.bad_lines = 0
+        self.rotations = 0
+        self.truncations = 0
+        if settings.start_at == "end" and self.path.is_file():
+            self._open(at_end=True)
+
+    def _open(self, *, at_end: bool = False) -> None:
+        self._file = open(self.path, "rb")  # noqa: SIM115 - held open across polls
+        if at_end:
+            self._file.seek(0, os.SEEK_END)
+        self._partial = b""
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def poll(self) -> int:
+        lines: list[bytes] = []
+        if self._file is None:
+            if not self.path.is_file():
+                raise FileNotFoundError(f"{self.path}: no such request log (yet)")
+            self._open()
+        current = os.fstat(self._file.fileno())
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            named = None
+        same_file = named is not None and named.st_ino == current.st_ino
+        if same_file and named.st_size < self._file.tell():
+            self.truncations += 1
+            self._file.seek(0)
+            self._partial = b""
+        drained = self._read(lines)
+        if not same_file and drained:
+            if self._partial:
+                lines.append(self._partial)
+            self.close()
+            if named is not None:
+                self.rotations += 1
+                self._open()
+                self._read(lines)
+        return self._deliver(lines)
+
+    def _read(self, lines: list[bytes]) -> bool:
+        """Append the complete new lines to `lines`; True when the file was read to its end."""
+        chunk = self._file.read(self._max_bytes)
+        data = self._partial + chunk
+        *complete, self._partial = data.split(b"\n")
+        lines.extend(complete)
+        return len(chunk) < self._max_bytes
+
+    def _deliver(self, lines: list[bytes]) -> int:
+        now = self._clock()
+        items, bad, last_error = [], 0, None
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                items.append(self._parse(line))
+            except _BadLine as error:
+                bad += 1
+                last_error = str(error)
+        if bad:
+            self.bad_lines += bad
+            self.status.bad_items(bad, last_error)
+        if items:
+            self._sink(Observations.of(items, now=now))
+        return len(items)
+
+    def _parse(self, line: bytes) -> Observation:
+        try:
+            record = json.loads(line)
+        except (UnicodeDecodeError, ValueError) as error:
+            raise _BadLine(f"{self.path}: a line is not JSON: {error}") from None
+        if not isinstance(record, dict):
+            raise _BadLine(f"{self.path}: a line is not a JSON object")
+        s = self.settings
+        names = {
+            "prompt_tokens": s.prompt_field,
+            "output_tokens": s.output_field,
+            "timestamp": s.timestamp_field,
+            "prefix_group": s.prefix_field,
+        }
+        fields = {}
+        for key, path in names.items():
+            value = _ABSENT if path is None else _lookup(record, path)
+            if value is not _ABSENT:
+                fields[key] = value
+        if fields.get("prefix_group") is not None:
+            fields["prefix_group"] = str(fields["prefix_group"])
+        try:
+            return Observation.model_validate(fields)
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = names.get(str(first["loc"][0]), str(first["loc"][0]))
+            raise _BadLine(f"{self.path}: field {field!r}: {first['msg']}") from None

@@ -1,0 +1,495 @@
+"""The sidecar: the tuning loop as a long-running service next to an inference worker.
+
+`Sidecar` owns the loop. Its sources (pushed observations, a vLLM `/metrics`
+scraper, a JSONL log follower, or the finished requests of an in-process
+engine) fill the length window; the tuner's `Collector` asks the selector for
+a decision every policy interval; in `mode: enforce` an actuator (a blocktune
+worker over HTTP, or the in-process engine) applies a switch, and the selector
+records the switch (`min_dwell` starts) only once the swap is done. Without an
+actuator, or in `mode: recommend`, a switch is a recommendation ("restart vLLM
+with --block-size 8"), logged once per change. After every decision and at
+shutdown the window and the decision are saved to the state file, and restored
+at the next start.
+
+The sidecar, not the collector, knows the block size in force (the engine's,
+the worker's, vLLM's `cache_config_info`), so the collector sees the selector
+through `_SelectorView`, which decides against that size.
+
+`create_sidecar_app` (in `blocktune.tuner.serving.sidecar_app`) serves a `Sidecar`
+over HTTP; library use needs no HTTP at all::
+
+    sidecar = Sidecar(policy, engine=engine)   # engine: blocktune.runtime.engine.Engine
+    sidecar.start()                            # decide every policy.interval ...
+    sidecar.decide()                           # ... or now
+    sidecar.stop()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from blocktune.kernels import is_power_of_two
+from blocktune.tuner.core.calibration import Calibration, calibration_for
+from blocktune.tuner.core.policy import Policy
+from blocktune.tuner.core.selector import Decision, Selector
+from blocktune.tuner.core.window import LengthWindow, WindowSnapshot
+from blocktune.tuner.serving.http import log_event, token_from_env
+from blocktune.tuner.sidecar.actuators import SWAP_STATUSES, EngineActuator, HttpActuator
+from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
+from blocktune.tuner.sidecar.scheduler import Collector
+from blocktune.tuner.sidecar.sources import (
+    Observations,
+    PollingSource,
+    SourceRunner,
+    SourceStatus,
+    parse_observations,
+)
+from blocktune.tuner.sidecar.state import SavedState, SavedWindow, StateFile
+from blocktune.tuner.sidecar.vllm_metrics import VllmMetricsSource
+
+if TYPE_CHECKING:
+    from blocktune.runtime.engine import Engine, FinishedRequest
+
+__all__ = ["PushDisabled", "Sidecar", "SidecarConfigError", "plain"]
+
+log = logging.getLogger("blocktune.sidecar")
+
+
+class SidecarConfigError(ValueError):
+    """A sidecar set up with contradicting parts (the message says which)."""
+
+
+class PushDisabled(ValueError):
+    """Observations were pushed to a sidecar whose policy turns push off."""
+
+
+def plain(value: object) -> object:
+    """`value` with numpy scalars as Python numbers and NaN/inf as None (valid JSON)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    return value
+
+
+class _SelectorView:
+    """The selector as the collector sees it: decides against the block size the sidecar
+    knows to be in force, and records a switch only once the sidecar applied it."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self._sidecar = sidecar
+
+    def decide(self, snapshot: WindowSnapshot, _collector_block_size: int) -> Decision:
+        sidecar = self._sidecar
+        sidecar._decision_window = snapshot.summary()
+        return sidecar.selector.decide(snapshot, sidecar._refresh_current())
+
+    def record_switch(self, decision: Decision) -> None:
+        if self._sidecar._applied is decision:
+            self._sidecar.selector.record_switch(decision)
+
+
+class Sidecar:
+    """Sources -> length window -> collector/selector -> actuator, with its state on disk."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        engine: Engine | None = None,
+        calibration: Calibration | None = None,
+        state_file: Path | str | None = None,
+        base_dir: Path | str = ".",
+    ) -> None:
+        if engine is not None and policy.actuator.kind != "none":
+            raise SidecarConfigError(
+                "an in-process engine and actuator.kind "
+                f"{policy.actuator.kind!r} both want to apply switches; use one of them"
+            )
+        base = Path(base_dir)
+        self.policy = policy
+        self.engine = engine
+        self.window = LengthWindow(policy.window.capacity)
+        self.selector = Selector(
+            policy, calibration or calibration_for(policy, base), clock=time.time
+        )
+        self.actuator = self._actuator(policy, engine)
+        self.collector = Collector(
+            self.window,
+            _SelectorView(self),
+            self._on_decision,
+            policy,
+            block_size=policy.starting_block_size,
+        )
+        self.sources: list[PollingSource] = []
+        if policy.sources.vllm_metrics is not None:
+            self.sources.append(
+                VllmMetricsSource(policy.sources.vllm_metrics, self.observe, self._report_size)
+            )
+        if policy.sources.jsonl_log is not None:
+            self.sources.append(JsonlLogFollower(policy.sources.jsonl_log, self.observe, base=base))
+        self._runner = SourceRunner(self.sources)
+        self.statuses = {s.name: s.status for s in self.sources}
+        if policy.sources.push:
+            self.statuses["push"] = SourceStatus("push")
+        if engine is not None:
+            self.statuses["engine"] = SourceStatus("engine")
+        self.state_file = None if state_file is None else StateFile(state_file)
+        self._lock = threading.Lock()
+        self._current = policy.starting_block_size
+        self._decision: Decision | None = None
+        self._body: dict | None = None  # the last decision as JSON, less the live fields
+        self._actuation: dict | None = None
+        self._applied: Decision | None = None
+        self._decision_window: dict | None = None
+        self._recommended: int | None = None
+        self._logged_recommendation: int | None = None
+        self._observations = 0
+        self._decisions = {"true": 0, "false": 0}
+        self._swaps = dict.fromkeys(SWAP_STATUSES, 0)
+        self._started = False
+        self._stopped = False
+        self._restore()
+        if engine is not None:
+            self._current = engine.block_size
+            engine.add_listener(self._on_finished)
+
+    @staticmethod
+    def _actuator(policy: Policy, engine: Engine | None) -> EngineActuator | HttpActuator | None:
+        settings = policy.actuator
+        if engine is not None:
+            return EngineActuator(engine, timeout_s=settings.timeout.total_seconds())
+        if settings.kind == "http":
+            return HttpActuator(
+                settings.url,
+                token_from_env(settings.token_env),
+                timeout_s=settings.timeout.total_seconds(),
+                retries=settings.retries,
+                backoff_s=settings.backoff.total_seconds(),
+            )
+        return None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def enforcing(self) -> bool:
+        """True when switches are applied (mode: enforce with an actuator), not only advised."""
+        return self.actuator is not None and self.policy.mode == "enforce"
+
+    @property
+    def current_block_size(self) -> int:
+        with self._lock:
+            return self._current
+
+    @property
+    def last_decision(self) -> Decision | None:
+        with self._lock:
+            return self._decision
+
+    @property
+    def last_actuation(self) -> dict | None:
+        with self._lock:
+            return self._actuation
+
+    # ------------------------------------------------------------------ life cycle
+    def start(self) -> None:
+        """Start deciding every policy interval and polling the sources."""
+        if self._started:
+            return
+        self._started = True
+        self._refresh_current()
+        self.collector.start()
+        self._runner.start()
+        log_event(
+            log,
+            "sidecar_started",
+            deployment=self.policy.deployment,
+            mode=self.policy.mode,
+            enforcing=self.enforcing,
+            sources=sorted(self.statuses),
+            block_size=self.current_block_size,
+            interval_s=self.policy.interval.total_seconds(),
+        )
+
+    def stop(self) -> None:
+        """Stop the sources and the scheduler (a run in progress finishes), then save."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._runner.stop()
+        self.collector.stop(wait=True)
+        self.save_state()
+        if self.actuator is not None:
+            self.actuator.close()
+        log_event(log, "sidecar_stopped", deployment=self.policy.deployment)
+
+    # ------------------------------------------------------------------ observations
+    def observe(self, batch: Observations) -> None:
+        """Write a validated batch to the window (the sink of every source)."""
+        self.window.observe_many(
+            batch.prompt_tokens,
+            batch.output_tokens,
+            timestamps=batch.timestamps,
+            prefix_groups=batch.prefix_groups,
+        )
+        with self._lock:
+            self._observations += len(batch)
+
+    def push(self, payload: object) -> int:
+        """Validate a decoded `POST /v1/observations` body and observe it, all or nothing."""
+        status = self.statuses.get("push")
+        if status is None:
+            raise PushDisabled("push is off in this policy (sources.push: false)")
+        try:
+            batch = parse_observations(payload, now=time.time())
+        except ValueError as error:
+            status.bad_items(1, str(error))
+            raise
+        self.observe(batch)
+        status.succeeded(len(batch))
+        return len(batch)
+
+    def _on_finished(self, record: FinishedRequest) -> None:
+        self.window.observe(record.prompt_tokens, record.output_tokens)
+        with self._lock:
+            self._observations += 1
+        self.statuses["engine"].succeeded(1)
+
+    def _report_size(self, block_size: int) -> None:
+        """A source reports the block size in use (vLLM's cache_config_info)."""
+        if not is_power_of_two(block_size):
+            self.statuses["vllm_metrics"].bad_items(
+                1, f"cache_config_info block_size {block_size} is not a power of two"
+            )
+            return
+        with self._lock:
+            changed, self._current = self._current != block_size, block_size
+        if changed:
+            log_event(log, "block_size_in_use", block_size=block_size, source="vllm_metrics")
+
+    # ------------------------------------------------------------------ decisions
+    def decide(self) -> Decision | None:
+        """One collector run now: the decision, or None when the run failed."""
+        return self.collector.run_now()
+
+    def _refresh_current(self) -> int:
+        if self.actuator is not None:
+            size = self.actuator.block_size()
+            if size is not None:
+                with self._lock:
+                    self._current = size
+        with self._lock:
+            return self._current
+
+    def _on_decision(self, decision: Decision) -> None:
+        actuation = None
+        if decision.switch and self.enforcing:
+            actuation = self.actuator.apply(decision.block_size, decision.current_block_size)
+        recommended = decision.block_size if decision.switch else decision.current_block_size
+        with self._lock:
+            self._decision = decision
+            self._decisions[str(decision.switch).lower()] += 1
+            if actuation is not None:
+                self._actuation = actuation.to_dict()
+                self._swaps[actuation.status] += 1
+                if actuation.status == "done":
+                    self._current = actuation.new_block_size
+                    self._applied = decision
+            self._recommended = recommended
+            current = self._current
+            self._body = self._decision_body(decision, recommended)
+        fields = {"block_size": decision.block_size, "current_block_size": current}
+        if actuation is not None:
+            fields.update(swap=actuation.status, swap_reason=actuation.reason)
+        log_event(log, "decision", switch=decision.switch, reason=decision.reason, **fields)
+        self._log_recommendation(recommended, current)
+        if actuation is not None and actuation.status == "done":
+            # Before saving: a restart must see this switch's time for min_dwell.
+            self.selector.record_switch(decision)
+        self.save_state()
+
+    def _action(self, recommended: int, current: int) -> str | None:
+        if recommended == current:
+            return None
+        if self.enforcing:
+            return f"swap the block size to {recommended}"
+        if self.policy.sources.vllm_metrics is not None:
+            return f"restart vLLM with --block-size {recommended}"
+        return f"set the block size to {recommended} (recommendation; no actuator applies it)"
+
+    def _log_recommendation(self, recommended: int, current: int) -> None:
+        if recommended == current:
+            self._logged_recommendation = None
+            return
+        if recommended == self._logged_recommendation:
+            return
+        self._logged_recommendation = recommended
+        log_event(
+            log,
+            "recommendation",
+            block_size=recommended,
+            current_block_size=current,
+            action=self._action(recommended, current),
+        )
+
+    def _decision_body(self, decision: Decision, recommended: int) -> dict:
+        seed = decision.seed_heuristic
+        return plain(
+            {
+                "block_size": decision.block_size,
+                "heuristic_block_size": decision.heuristic_block_size,
+                "recommended_block_size": recommended,
+                "switch": decision.switch,
+                "reason": decision.reason,
+                "decided_current_block_size": decision.current_block_size,
+                "samples": decision.samples,
+                "principled_block_tokens": decision.principled_block_tokens,
+                "seed_heuristic": None if seed is None else dataclasses.asdict(seed),
+                "predicted_gain_s": decision.predicted_gain_s,
+                "swap_cost_s": decision.swap_cost_s,
+                "candidates": [dataclasses.asdict(c) for c in decision.candidates],
+                "window": self._decision_window,
+                "decided_at": decision.decided_at,
+            }
+        )
+
+    # ------------------------------------------------------------------ reports
+    def recommendation(self) -> dict:
+        """The last decision with the live block size in force and the next run's time."""
+        with self._lock:
+            body = self._body
+            current = self._current
+            actuation = self._actuation
+        job = self.collector.job
+        next_run = None if job is None or job.next_run_time is None else job.next_run_time
+        out = {
+            "deployment": self.policy.deployment,
+            "mode": self.policy.mode,
+            "enforcing": self.enforcing,
+            "current_block_size": current,
+        }
+        if body is None:
+            out.update(block_size=None, switch=False, reason="no decision yet", candidates=[])
+        else:
+            out.update(body)
+            recommended = body.get("recommended_block_size")
+            out["action"] = None if recommended is None else self._action(recommended, current)
+        out["next_run_at"] = None if next_run is None else next_run.timestamp()
+        if self.actuator is not None:
+            out["actuation"] = actuation
+        return out
+
+    def window_stats(self) -> dict:
+        """The window now: capacity, counts, length statistics and histogram."""
+        return plain({"capacity": self.window.capacity, **self.window.snapshot().summary()})
+
+    def readiness(self) -> dict:
+        """Ready when the scheduler runs and lengths can arrive (push or engine on, or every
+        polled source's last poll succeeded)."""
+        scheduler = self.collector.running
+        statuses = {name: status.to_dict() for name, status in self.statuses.items()}
+        listening = self.policy.sources.push or self.engine is not None
+        polled_ok = bool(self.sources) and all(s.status.last_ok for s in self.sources)
+        return {
+            "ready": scheduler and (listening or polled_ok),
+            "scheduler_running": scheduler,
+            "sources": statuses,
+        }
+
+    def metrics(self) -> dict:
+        """Numbers for the Prometheus exposition."""
+        with self._lock:
+            decision = self._decision
+            out = {
+                "recommended_block_size": self._recommended,
+                "current_block_size": self._current,
+                "observations": self._observations,
+                "decisions": dict(self._decisions),
+                "swaps": dict(self._swaps) if self.actuator is not None else None,
+            }
+        out["window_requests"] = len(self.window)
+        out["collector_failures"] = self.collector.failures
+        out["padding_ratio"] = (
+            {} if decision is None else {c.block_size: c.padding_ratio for c in decision.candidates}
+        )
+        out["source_errors"] = {name: s.errors for name, s in self.statuses.items()}
+        return out
+
+    # ------------------------------------------------------------------ state
+    def save_state(self) -> None:
+        """Write the window and the last decision to the state file (if one is set)."""
+        if self.state_file is None:
+            return
+        snapshot = self.window.snapshot()
+        with self._lock:
+            state = SavedState(
+                saved_at=time.time(),
+                deployment=self.policy.deployment,
+                current_block_size=self._current,
+                last_switch_at=self.selector.last_switch,
+                recommended_block_size=self._recommended,
+                window=SavedWindow(
+                    timestamps=snapshot.timestamps.tolist(),
+                    prompt_tokens=snapshot.prompt_tokens.tolist(),
+                    output_tokens=snapshot.output_tokens.tolist(),
+                    prefix_keys=snapshot.prefix_keys.tolist(),
+                    has_prefix=snapshot.has_prefix.tolist(),
+                ),
+                recommendation=self._body,
+                actuation=self._actuation,
+            )
+        try:
+            self.state_file.save(state)
+        except OSError as error:
+            log_event(log, "state_save_failed", file=str(self.state_file.path), error=str(error))
+
+    def _restore(self) -> None:
+        if self.state_file is None:
+            return
+        saved = self.state_file.load()
+        if saved is None:
+            return
+        rows = saved.window
+        groups = [k if h else None for k, h in zip(rows.prefix_keys, rows.has_prefix, strict=True)]
+        self.window.observe_many(
+            np.asarray(rows.prompt_tokens, dtype=np.int64),
+            np.asarray(rows.output_tokens, dtype=np.int64),
+            timestamps=rows.timestamps,
+            prefix_groups=groups,
+        )
+        self._current = saved.current_block_size
+        self._recommended = saved.recommended_block_size
+        self._body = saved.recommendation
+        self._actuation = saved.actuation
+        if saved.last_switch_at is not None:
+            self.selector.record_switch(
+                Decision(
+                    block_size=saved.current_block_size,
+                    heuristic_block_size=saved.current_block_size,
+                    candidates=[],
+                    switch=True,
+                    reason="restored from the state file",
+                    current_block_size=saved.current_block_size,
+                    samples=0,
+                    decided_at=saved.last_switch_at,
+                )
+            )
+        log_event(
+            log,
+            "state_restored",
+            file=str(self.state_file.path),
+            requests=len(rows.prompt_tokens),
+            block_size=saved.current_block_size,
+            saved_at=saved.saved_at,
+        )
