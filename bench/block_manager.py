@@ -2,9 +2,9 @@
 
 Replays the request lengths of the Azure LLM conversation trace: up to
 `--batch` sequences run at once; each is allocated its prompt, grows one
-output token per step, and is freed when done. Prints operations per second
-and host microseconds per generated token for each block size: the measured
-host bookkeeping cost that the selector uses.
+output token per step, and is freed when done. Prints the host microseconds
+per generated token for each block size: the bookkeeping cost that the
+selector uses.
 
     python bench/block_manager.py [--trace CSV] [--limit N] [--batch 64]
 """
@@ -15,9 +15,11 @@ import argparse
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from blocktune.runtime.block_manager import BlockManager
+from blocktune.tuner.core.block_replay import drive_block_manager
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2]
@@ -26,31 +28,14 @@ DEFAULT_TRACE = (
 
 
 def replay(prompts: list[int], outputs: list[int], block_size: int, batch: int) -> dict:
-    """Run the trace through one BlockManager; return counts and elapsed seconds."""
+    """Run the trace through one BlockManager; return the generated tokens and seconds."""
     longest = max(p + o for p, o in zip(prompts, outputs, strict=True))
-    num_blocks = batch * (-(-longest // block_size)) + 1
-    manager = BlockManager(num_blocks, block_size)
-    remaining: dict[int, int] = {}
-    next_request = operations = generated = 0
+    manager = BlockManager(batch * (-(-longest // block_size)) + 1, block_size)
     start = time.perf_counter()
-    while next_request < len(prompts) or remaining:
-        while len(remaining) < batch and next_request < len(prompts):
-            manager.allocate(next_request, [0] * prompts[next_request])
-            remaining[next_request] = outputs[next_request]
-            next_request += 1
-            operations += 1
-        for seq_id in remaining:
-            manager.append_tokens(seq_id, (0,))
-            remaining[seq_id] -= 1
-        operations += len(remaining)
-        generated += len(remaining)
-        for seq_id in [s for s, left in remaining.items() if left == 0]:
-            manager.free(seq_id)
-            del remaining[seq_id]
-            operations += 1
+    drive_block_manager(manager, np.asarray(prompts), np.asarray(outputs), concurrency=batch)
     elapsed = time.perf_counter() - start
     manager.check()
-    return {"operations": operations, "generated": generated, "elapsed_s": elapsed}
+    return {"generated": sum(outputs), "elapsed_s": elapsed}
 
 
 def main() -> None:
@@ -66,12 +51,11 @@ def main() -> None:
     prompts = trace["ContextTokens"].clip(lower=1).astype(int).tolist()
     outputs = trace["GeneratedTokens"].clip(lower=1).astype(int).tolist()
     print(f"{args.trace.name}: {len(prompts)} requests, {sum(outputs)} generated tokens")
-    print(f"{'block':>5}  {'ops/s':>12}  {'us/token':>9}")
+    print(f"{'block':>5}  {'us/token':>9}")
     for block_size in args.block_sizes:
         result = replay(prompts, outputs, block_size, args.batch)
-        ops_per_s = result["operations"] / result["elapsed_s"]
         us_per_token = result["elapsed_s"] / result["generated"] * 1e6
-        print(f"{block_size:>5}  {ops_per_s:>12,.0f}  {us_per_token:>9.3f}")
+        print(f"{block_size:>5}  {us_per_token:>9.3f}")
 
 
 if __name__ == "__main__":

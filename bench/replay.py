@@ -19,7 +19,7 @@ from blocktune.traces.synth import CUSTOMER_SERVICE_PHASES, customer_service_day
 from blocktune.tuner.core.calibration import default_calibration, load_calibration
 from blocktune.tuner.core.defaults import DEFAULT_POLICY
 from blocktune.tuner.core.policy import load_policy
-from blocktune.tuner.replay.report import format_table
+from blocktune.tuner.replay.report import format_replay_table
 from blocktune.tuner.replay.runner import replay
 
 
@@ -59,7 +59,7 @@ def main() -> None:
         )
     simulated = sum(r.replay_s for r in report.results)
     print(f"all policies: {total:.1f} s ({total - simulated:.1f} s outside the simulations)")
-    print(format_table(report))
+    print(format_replay_table(report))
 
 
 if __name__ == "__main__":

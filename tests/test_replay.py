@@ -14,7 +14,7 @@ from blocktune.tuner.core.cost_model import CostModel
 from blocktune.tuner.core.policy import Policy, load_policy
 from blocktune.tuner.replay.objective import IntervalCosts
 from blocktune.tuner.replay.plots import PLOT_FILES, write_plots
-from blocktune.tuner.replay.report import RESULT_KEYS, comparisons, format_table, report_dict
+from blocktune.tuner.replay.report import RESULT_KEYS, comparisons, format_replay_table, report_dict
 from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayError, replay, static_name
 from blocktune.tuner.replay.workload import Workload
 
@@ -141,7 +141,7 @@ def test_the_seeds_peak_memory_claim_as_measured(day_report, capsys):
     with capsys.disabled():
         print(f"\nembedded day: adaptive peak KV vs static-16: {change:+.1%} (claim: -19%)")
     assert -0.19 < change <= 0.0
-    assert f"peak KV {change:+.1%}" in format_table(day_report)
+    assert f"peak KV {change:+.1%}" in format_replay_table(day_report)
 
 
 def test_report_json_has_exactly_the_documented_keys(day_report, tmp_path):

@@ -14,7 +14,7 @@ from blocktune.tuner.core.cost_model import CostModel
 from blocktune.tuner.core.policy import Policy, load_policy
 from blocktune.tuner.replay.controllers import OracleController
 from blocktune.tuner.replay.simulator import simulate
-from blocktune.tuner.replay.step_cost import ServerModel
+from blocktune.tuner.replay.step_cost import StepCostModel
 from blocktune.tuner.replay.workload import Workload
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
@@ -45,7 +45,7 @@ def check_conservation(workload: Workload, run) -> None:
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 def test_ample_pool_conserves_tokens_and_never_preempts(block_size):
     workload = Workload.from_frame(busy_day())
-    server = ServerModel(with_budget(1 << 20), CALIBRATION)
+    server = StepCostModel(with_budget(1 << 20), CALIBRATION)
     run = simulate(workload, server, block_size)
     check_conservation(workload, run)
     assert run.preemptions == 0
@@ -57,13 +57,13 @@ def test_ample_pool_conserves_tokens_and_never_preempts(block_size):
 def test_tiny_pool_preempts_without_over_allocation(block_size):
     workload = Workload.from_frame(busy_day())
     policy = with_budget(1024)  # 128 MiB; the longest request (520 tokens) still fits alone
-    server = ServerModel(policy, CALIBRATION)
+    server = StepCostModel(policy, CALIBRATION)
     run = simulate(workload, server, block_size)
     check_conservation(workload, run)
     assert run.preemptions > 0
     assert run.peak_blocks <= server.num_blocks(block_size)
     assert run.peak_kv_bytes <= int(policy.kv_budget)
-    ample = simulate(workload, ServerModel(with_budget(1 << 20), CALIBRATION), block_size)
+    ample = simulate(workload, StepCostModel(with_budget(1 << 20), CALIBRATION), block_size)
     assert run.busy_s > ample.busy_s  # smaller batches and recomputed prompts cost time
     assert run.peak_kv_bytes < ample.peak_kv_bytes
 
@@ -71,7 +71,7 @@ def test_tiny_pool_preempts_without_over_allocation(block_size):
 def test_a_request_larger_than_the_pool_is_refused():
     frame = pd.DataFrame({"arrival_s": [0.0], "prompt_tokens": [900], "output_tokens": [200]})
     with pytest.raises(ValueError, match="1100 tokens does not fit the pool of 64 blocks"):
-        simulate(Workload.from_frame(frame), ServerModel(with_budget(1024), CALIBRATION), 16)
+        simulate(Workload.from_frame(frame), StepCostModel(with_budget(1024), CALIBRATION), 16)
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
@@ -82,7 +82,7 @@ def test_padding_and_peak_equal_a_direct_block_manager_replay(block_size):
     day = busy_day(seed=3).drop(columns=["prefix_hashes", "prefix_group"])
     workload = Workload.from_frame(day)
     policy = with_budget(1 << 22)
-    run = simulate(workload, ServerModel(policy, CALIBRATION, fixed_step_s=0.05), block_size)
+    run = simulate(workload, StepCostModel(policy, CALIBRATION, fixed_step_s=0.05), block_size)
     direct = replay_block_manager(day, block_size, step_s=0.05)
     assert run.steps == direct.steps
     assert run.peak_blocks == direct.peak_blocks
@@ -98,7 +98,7 @@ def test_step_times_follow_the_calibration():
     """One request alone: its first step prefills the prompt, then one token per step."""
     prompt, output, size = 100, 5, 16
     frame = pd.DataFrame({"arrival_s": [0.0], "prompt_tokens": [prompt], "output_tokens": [output]})
-    server = ServerModel(POLICY, CALIBRATION)
+    server = StepCostModel(POLICY, CALIBRATION)
     run = simulate(Workload.from_frame(frame), server, size)
     kernel = CostModel(POLICY, CALIBRATION).kernel(size)
     layers = POLICY.model.num_layers
@@ -133,7 +133,7 @@ def test_a_shared_prefix_is_held_once():
     """Two 300-token prompts with one 256-token prefix hash at B=16: the second request
     takes the first's 16 prefix blocks, so together they hold 19 + 3 blocks, not 38."""
     workload = prefix_requests([0.0, 0.01], [300, 300], [2, 2], [[7], [7]])
-    server = ServerModel(with_budget(4096), CALIBRATION, fixed_step_s=0.05)
+    server = StepCostModel(with_budget(4096), CALIBRATION, fixed_step_s=0.05)
     assert simulate(workload, server, 16).peak_blocks == 22
     unshared = prefix_requests([0.0, 0.01], [300, 300], [2, 2], [[7], [8]])
     assert simulate(unshared, server, 16).peak_blocks == 38
@@ -144,7 +144,7 @@ def test_released_prefix_blocks_are_reused_until_evicted():
     last 44 tokens. A 601-token request in between needs 38 of the 40 blocks and evicts the
     least recently released: the 14 last prefix blocks (freed last to first), so only the
     first 2 (32 tokens) are still there."""
-    size, server = 16, ServerModel(with_budget(640), CALIBRATION)
+    size, server = 16, StepCostModel(with_budget(640), CALIBRATION)
     cost = server.step_cost(size)
 
     def first_step(prefilled: int) -> float:
@@ -169,7 +169,7 @@ def test_switches_keep_conservation_and_the_pool_limit():
     interval boundary, no request loses a token and no size over-allocates."""
     workload = Workload.from_frame(busy_day())
     policy = with_budget(1024, interval="150s")
-    server = ServerModel(policy, CALIBRATION)
+    server = StepCostModel(policy, CALIBRATION)
     schedule = np.array([16, 8, 64, 32])
     run = simulate(workload, server, 16, controller=OracleController(150.0, schedule))
     check_conservation(workload, run)
@@ -183,7 +183,7 @@ def test_swap_pause_is_the_selectors_swap_cost():
     """A shrink moves nothing; a grow copies grow_copy_fraction of the live K and V at the
     calibrated copy bandwidth."""
     for fraction in (1.0, 0.25, 0.0):
-        server = ServerModel(with_budget(4096, grow_copy_fraction=fraction), CALIBRATION)
+        server = StepCostModel(with_budget(4096, grow_copy_fraction=fraction), CALIBRATION)
         expected = 1000 * SLOT * fraction / CALIBRATION.copy_bandwidth_bytes_per_s
         assert server.swap_pause_s(1000, 8, 32) == pytest.approx(expected)
         assert server.swap_pause_s(1000, 32, 8) == 0.0

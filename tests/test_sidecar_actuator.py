@@ -190,8 +190,9 @@ def test_an_engine_and_an_http_actuator_exclude_each_other():
 
 def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
     from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.model import load_model
-    from blocktune.tuner.serving.worker_app import EngineLoop, create_worker_app
+    from blocktune.tuner.serving.worker_app import create_worker_app
 
     monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
     loop = EngineLoop(

@@ -77,7 +77,7 @@ def test_observations_decide_recommendation_and_metrics(live_server):
         assert body["reason"].startswith("switch B=16 -> 8")
         assert body["samples"] == 300 and body["window"]["count"] == 300
         assert [c["block_size"] for c in body["candidates"]] == [8, 16, 32, 64, 128]
-        assert body["heuristic_block_size"] in POLICY.candidates
+        assert body["prior_block_size"] in POLICY.candidates
         assert body["decided_at"] > 1e9 and body["next_run_at"] > body["decided_at"]
         assert "actuation" not in body  # no actuator configured
         assert httpx.get(f"{url}/v1/recommendation").json() == body
@@ -88,7 +88,7 @@ def test_observations_decide_recommendation_and_metrics(live_server):
         assert m["blocktune_window_requests"][""] == 300
         assert m["blocktune_observations_total"][""] == 300
         assert m["blocktune_decisions_total"] == {"true": 1, "false": 0}
-        assert m["blocktune_collector_failures_total"][""] == 0
+        assert m["blocktune_decision_failures_total"][""] == 0
         assert m["blocktune_source_errors_total"] == {"push": 0}
         padding = m["blocktune_padding_ratio"]
         assert set(padding) == {"8", "16", "32", "64", "128"}

@@ -11,8 +11,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from blocktune.tuner.core.policy import Sources, load_policy
-from blocktune.tuner.core.policy import VllmMetricsSource as VllmSettings
+from blocktune.tuner.core.policy import Sources, VllmMetricsSettings, load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import SourceRunner
@@ -110,7 +109,7 @@ def test_scrapes_become_samples_with_the_histograms_bucket_counts(live_server):
         new_outputs.extend(outputs)
 
     with live_server(serve_exposition(holder)) as url:
-        settings = VllmSettings(url=f"{url}/metrics", interval="1s")
+        settings = VllmMetricsSettings(url=f"{url}/metrics", interval="1s")
         clock = iter(float(t) for t in range(1000, 2000, 10))
         source = VllmMetricsSource(
             settings,
@@ -176,7 +175,7 @@ def test_sidecar_recommends_a_restart_for_vllm(live_server, caplog):
     vllm.add(ENGINE_A, [100], [100])
     holder = {"text": vllm.text()}
     with live_server(serve_exposition(holder)) as vllm_url:
-        settings = VllmSettings(url=f"{vllm_url}/metrics", interval="0.1s")
+        settings = VllmMetricsSettings(url=f"{vllm_url}/metrics", interval="0.1s")
         policy = POLICY.model_copy(
             update={"sources": Sources(push=False, vllm_metrics=settings), "mode": "enforce"}
         )
@@ -204,7 +203,7 @@ def test_an_unreachable_vllm_is_counted_and_not_ready():
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    settings = VllmSettings(url=f"http://127.0.0.1:{port}/metrics", timeout="1s")
+    settings = VllmMetricsSettings(url=f"http://127.0.0.1:{port}/metrics", timeout="1s")
     policy = POLICY.model_copy(update={"sources": Sources(push=False, vllm_metrics=settings)})
     sidecar = Sidecar(policy)
     source = sidecar.sources[0]

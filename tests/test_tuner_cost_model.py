@@ -14,9 +14,9 @@ from blocktune.tuner.core.calibration import Calibration
 from blocktune.tuner.core.cost_model import (
     CostModel,
     EmptyWindow,
+    article_heuristic,
     block_steps,
     nearest_power_of_two,
-    seed_heuristic,
     token_steps,
 )
 from blocktune.tuner.core.policy import Policy
@@ -153,14 +153,14 @@ def test_a_window_without_generated_tokens_has_no_cost():
 
 def test_the_seed_heuristic_exactly_as_stated():
     # The seed's example: median 500 tokens, head_dim 128, 32 heads, fp16.
-    seed = seed_heuristic(500, head_dim=128, num_heads=32, dtype_bytes=2, candidates=SIZES)
+    seed = article_heuristic(500, head_dim=128, num_heads=32, dtype_bytes=2, candidates=SIZES)
     assert seed.value_sqrt_token_bytes == pytest.approx(math.sqrt(500 * 128 * 32 * 2 * 2))
     assert round(seed.value_sqrt_token_bytes) == 2862  # not the 1280 the seed prints
     assert seed.bytes_per_token == 16384
     assert seed.tokens == pytest.approx(math.sqrt(500 / 16384))  # below one token
     assert seed.block_size == min(SIZES)
     # The seed's 1280 is what a length of 100 tokens gives.
-    hundred = seed_heuristic(100, head_dim=128, num_heads=32, dtype_bytes=2, candidates=SIZES)
+    hundred = article_heuristic(100, head_dim=128, num_heads=32, dtype_bytes=2, candidates=SIZES)
     assert hundred.value_sqrt_token_bytes == pytest.approx(1280)
 
 

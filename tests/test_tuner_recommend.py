@@ -7,9 +7,9 @@ import pytest
 
 from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.cli import main
-from blocktune.tuner.cli.recommend import recommend
 from blocktune.tuner.core.calibration import ANALYTIC_FILE, analytic_calibration, bundled_files
 from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.core.recommendation import recommend
 
 ROOT = Path(__file__).resolve().parents[1]
 AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
@@ -35,7 +35,7 @@ def run_json(capsys, policy_file: str, *args: str) -> dict:
 
 def test_json_for_the_synthetic_promotion_burst(capsys, policy_file):
     report = run_json(capsys, policy_file, "synthetic", "--phase", "promo", "--last", "1000")
-    assert {"block_size", "heuristic_block_size", "candidates", "window"} <= set(report)
+    assert {"block_size", "prior_block_size", "candidates", "window"} <= set(report)
     sizes = [c["block_size"] for c in report["candidates"]]
     assert sizes == [8, 16, 32, 64, 128]
     objectives = {c["block_size"]: c["objective_s_per_token"] for c in report["candidates"]}

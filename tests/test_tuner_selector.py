@@ -52,8 +52,8 @@ def test_the_seed_story_daytime_mix_16_promotion_burst_8():
     assert promo.block_size == 8 and promo.switch  # a shrink moves no data
     assert promo.swap_cost_s == 0.0 and promo.predicted_gain_s > 0
     # The measured choice agrees with the principled prior; the seed's rule is clamped.
-    assert (day.heuristic_block_size, promo.heuristic_block_size) == (16, 8)
-    assert day.seed_heuristic.tokens < 1 and day.seed_heuristic.block_size == 8
+    assert (day.prior_block_size, promo.prior_block_size) == (16, 8)
+    assert day.article_heuristic.tokens < 1 and day.article_heuristic.block_size == 8
     # Why: padding costs concurrency (weights term) and small blocks cost block-table work.
     cost8, cost16 = promo.cost_of(8), promo.cost_of(16)
     assert cost8.weights_s_per_token < cost16.weights_s_per_token
@@ -93,7 +93,7 @@ def simulate(policy, windows, intervals: int, start_block: int = 16):
     for k in range(intervals):
         decision = selector.decide(windows[k % 2], current, now=k * step)
         if decision.switch:
-            selector.record_switch(decision)
+            selector.record_switch(decision.decided_at)
             current = decision.block_size
             switches.append(k * step)
     return switches
@@ -122,7 +122,7 @@ def test_min_dwell_blocks_a_second_switch():
     first = selector.decide(promo, 16, now=0.0)
     assert first.switch and selector.last_switch is None  # nothing applied yet
     assert selector.decide(promo, 16, now=1.0).switch
-    selector.record_switch(first)
+    selector.record_switch(first.decided_at)
     assert selector.last_switch == 0.0
     held = selector.decide(promo, 32, now=600.0)
     assert not held.switch and "min_dwell" in held.reason
@@ -153,7 +153,7 @@ def test_too_few_samples_keep_the_current_size_and_say_why():
     prompts, outputs = rng.integers(15, 26, 50), rng.integers(8, 25, 50)
     decision = Selector(DEFAULT, ANALYTIC).decide(snapshot_of(prompts, outputs), 32, now=0.0)
     assert not decision.switch and decision.current_block_size == 32
-    assert decision.block_size == decision.heuristic_block_size == 8  # the prior speaks
+    assert decision.block_size == decision.prior_block_size == 8  # the prior speaks
     assert "only 50 of the 100" in decision.reason and "keep B=32" in decision.reason
     empty = Selector(DEFAULT, ANALYTIC).decide(LengthWindow(10).snapshot(), 32, now=0.0)
     assert empty.block_size == 32 and not empty.switch and empty.candidates == []

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocktune.tuner.core.window import InvalidObservation, LengthWindow, prefix_key
+from blocktune.tuner.core.window import InvalidWindowInput, LengthWindow, prefix_key
 
 
 def test_snapshot_keeps_order_and_summarises_lengths():
@@ -130,19 +130,19 @@ def test_one_stray_timestamp_does_not_stretch_the_output_rate():
 )
 def test_bad_observations_are_rejected_with_the_field_named(prompt, output, needle):
     window = LengthWindow(capacity=4)
-    with pytest.raises(InvalidObservation, match=needle):
+    with pytest.raises(InvalidWindowInput, match=needle):
         window.observe(prompt, output)
     assert len(window) == 0
 
 
 def test_bad_batches_and_capacities_are_rejected():
     window = LengthWindow(capacity=4)
-    with pytest.raises(InvalidObservation, match="shapes"):
+    with pytest.raises(InvalidWindowInput, match="shapes"):
         window.observe_many([1, 2, 3], [1, 2])
-    with pytest.raises(InvalidObservation, match="prompt_tokens"):
+    with pytest.raises(InvalidWindowInput, match="prompt_tokens"):
         window.observe_many([1, 0], [1, 2])
-    with pytest.raises(InvalidObservation, match="timestamps"):
+    with pytest.raises(InvalidWindowInput, match="timestamps"):
         window.observe_many([1, 2], [1, 2], timestamps=[0.0])
-    with pytest.raises(InvalidObservation, match="capacity"):
+    with pytest.raises(InvalidWindowInput, match="capacity"):
         LengthWindow(capacity=0)
     assert len(window) == 0

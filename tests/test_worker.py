@@ -10,8 +10,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from blocktune.runtime.engine import Engine, EngineConfig, FinishedRequest, SamplingParams
+from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.model import load_model
-from blocktune.tuner.serving.worker_app import EngineLoop, LengthPusher, create_worker_app
+from blocktune.tuner.serving.worker_app import LengthPusher, create_worker_app
 
 TOKEN = "s3cret-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -8,13 +8,15 @@ from pathlib import Path
 __all__ = ["check_policy", "register"]
 
 
-def check_policy(path: Path) -> list[str]:
-    """Every problem of one policy file (schema first, then its calibration); [] if none."""
+def check_policy(name_or_path: Path | str) -> list[str]:
+    """Every problem of one policy file or bundled policy (schema first, then its
+    calibration); [] if none."""
     from blocktune.tuner.core.calibration import CalibrationError, calibration_for
     from blocktune.tuner.core.config_files import ConfigError
-    from blocktune.tuner.core.policy import load_policy
+    from blocktune.tuner.core.policy import load_policy, policy_path
 
     try:
+        path = policy_path(name_or_path)
         policy = load_policy(path)
     except ConfigError as exc:
         return list(exc.problems)
@@ -31,7 +33,7 @@ def run_check(args: argparse.Namespace) -> int:
     """Validate policy files: print every problem and exit 1, or print 'ok' and exit 0."""
     failed = False
     for name in args.files:
-        problems = check_policy(Path(name))
+        problems = check_policy(name)
         for problem in problems:
             print(problem)
         if problems:

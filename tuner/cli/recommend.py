@@ -9,61 +9,25 @@ rule, or the same as JSON with `--json`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blocktune.tuner.cli.trace import SYNTHETIC, add_load_arguments, load_from_args
+from blocktune.tuner.cli._common import (
+    SYNTHETIC,
+    add_load_arguments,
+    load_from_args,
+    load_policy_and_calibration,
+)
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from blocktune.tuner.core.calibration import Calibration
-    from blocktune.tuner.core.policy import Policy
     from blocktune.tuner.core.selector import Decision
     from blocktune.tuner.core.window import WindowSnapshot
 
-__all__ = ["format_table", "recommend", "register", "to_json"]
-
-
-class RecommendError(ValueError):
-    """A request to `recommend` that cannot be served (for example an empty selection)."""
-
-
-def recommend(
-    frame: pd.DataFrame,
-    policy: Policy,
-    calibration: Calibration,
-    *,
-    current_block_size: int = DEFAULT_BLOCK_SIZE,
-    last: int | None = None,
-) -> tuple[Decision, WindowSnapshot]:
-    """The selector's decision for the requests of `frame` (arrival_s, prompt_tokens,
-    output_tokens, optional prefix_group), all of them or the `last` ones."""
-    import pandas as pd
-
-    from blocktune.tuner.core.selector import Selector
-    from blocktune.tuner.core.window import LengthWindow
-
-    rows = frame if last is None else frame.tail(last)
-    if rows.empty:
-        raise RecommendError("the trace selection holds no requests")
-    window = LengthWindow(capacity=len(rows))
-    groups = None
-    if "prefix_group" in rows:
-        groups = [None if pd.isna(g) else g for g in rows["prefix_group"]]
-    window.observe_many(
-        rows["prompt_tokens"].to_numpy(),
-        rows["output_tokens"].to_numpy(),
-        timestamps=rows["arrival_s"].to_numpy(),
-        prefix_groups=groups,
-    )
-    snapshot = window.snapshot()
-    decision = Selector(policy, calibration).decide(snapshot, current_block_size, now=0.0)
-    return decision, snapshot
+__all__ = ["register"]
 
 
 def _positive_int(text: str) -> int:
@@ -77,7 +41,7 @@ def _kib(value: float) -> str:
     return f"{value / 1024:.1f}"
 
 
-def format_table(decision: Decision, snapshot: WindowSnapshot) -> str:
+def format_decision_table(decision: Decision, snapshot: WindowSnapshot) -> str:
     """The candidates as a fixed-width table (times in microseconds per generated token)."""
     names = ("padding", "pad/req", "capacity", "running", "weights", "k.table", "k.read")
     names += ("host", "prefix", "total")
@@ -106,9 +70,9 @@ def format_table(decision: Decision, snapshot: WindowSnapshot) -> str:
     if decision.principled_block_tokens is not None:
         lines.append(
             f"prior: B* = sqrt(2 c_block l / c_pad) = {decision.principled_block_tokens:.1f} "
-            f"tokens -> {decision.heuristic_block_size}"
+            f"tokens -> {decision.prior_block_size}"
         )
-    seed = decision.seed_heuristic
+    seed = decision.article_heuristic
     if seed is not None:
         lines.append(
             f"seed's rule: sqrt({seed.length_tokens:.0f} x {seed.bytes_per_token} B) = "
@@ -120,28 +84,16 @@ def format_table(decision: Decision, snapshot: WindowSnapshot) -> str:
 
 
 def to_json(decision: Decision, snapshot: WindowSnapshot, **extra: object) -> str:
-    """`{"block_size", "heuristic_block_size", "candidates", "window", ...}` as JSON."""
-    payload = {
-        "block_size": decision.block_size,
-        "heuristic_block_size": decision.heuristic_block_size,
-        "candidates": [
-            {**dataclasses.asdict(c), "kernel_s_per_token": c.kernel_s_per_token}
-            for c in decision.candidates
-        ],
-        "window": snapshot.summary(),
-        "principled_block_tokens": decision.principled_block_tokens,
-        "seed_heuristic": (
-            None if decision.seed_heuristic is None else vars(decision.seed_heuristic)
-        ),
-        "current_block_size": decision.current_block_size,
-        "switch": decision.switch,
-        "reason": decision.reason,
-        **extra,
-    }
-    return json.dumps(payload, indent=2)
+    """The decision's JSON (`Decision.to_dict`) with the window summary and `extra`."""
+    from blocktune.tuner.core.jsonable import to_jsonable
+
+    payload = {**decision.to_dict(), "window": to_jsonable(snapshot.summary()), **extra}
+    return json.dumps(payload, indent=2, allow_nan=False)
 
 
 def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
+    from blocktune.tuner.core.recommendation import RecommendError
+
     if args.trace == SYNTHETIC:
         from blocktune.traces.synth import customer_service_day
 
@@ -164,13 +116,12 @@ def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
 def run_recommend(args: argparse.Namespace) -> int:
     """Price every candidate block size for a trace under a policy and print the choice."""
     from blocktune.traces.schema import TraceError
-    from blocktune.tuner.core.calibration import CalibrationError, calibration_for
+    from blocktune.tuner.core.calibration import CalibrationError
     from blocktune.tuner.core.config_files import ConfigError
-    from blocktune.tuner.core.policy import load_policy
+    from blocktune.tuner.core.recommendation import RecommendError, recommend
 
     try:
-        policy = load_policy(args.policy)
-        calibration = calibration_for(policy, Path(args.policy).parent)
+        policy, calibration = load_policy_and_calibration(args.policy)
         frame, label = _load_frame(args)
         decision, snapshot = recommend(
             frame, policy, calibration, current_block_size=args.current, last=args.last
@@ -197,7 +148,7 @@ def run_recommend(args: argparse.Namespace) -> int:
         f"{policy.model.dtype}, KV budget {budget_gib:.1f} GiB"
     )
     print(f"calibration: {calibration.describe()}")
-    print(format_table(decision, snapshot))
+    print(format_decision_table(decision, snapshot))
     return 0
 
 
@@ -213,7 +164,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         trace_help=f"trace file, or '{SYNTHETIC}' for the synthetic customer-service day",
         seed_help="seed of the synthetic day or of --rate arrivals (default: 0)",
     )
-    parser.add_argument("--policy", required=True, help="policy YAML file (see policies/)")
+    parser.add_argument(
+        "--policy",
+        required=True,
+        metavar="FILE|NAME",
+        help="policy YAML file, or the name of a bundled policy (default, long_document, ...)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--current",

@@ -15,7 +15,12 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blocktune.tuner.cli.trace import SYNTHETIC, add_load_arguments, load_from_args
+from blocktune.tuner.cli._common import (
+    SYNTHETIC,
+    add_load_arguments,
+    load_from_args,
+    load_policy_and_calibration,
+)
 from blocktune.tuner.core.defaults import DEFAULT_POLICY
 
 if TYPE_CHECKING:
@@ -60,16 +65,14 @@ def run_replay(args: argparse.Namespace) -> int:
     policy interval of trace time) and the hindsight oracle. Prints one row per policy."""
     from blocktune.traces.schema import TraceError
     from blocktune.traces.synth import WorkloadError
-    from blocktune.tuner.core.calibration import CalibrationError, calibration_for
+    from blocktune.tuner.core.calibration import CalibrationError
     from blocktune.tuner.core.config_files import ConfigError
-    from blocktune.tuner.core.policy import load_policy
     from blocktune.tuner.replay.plots import write_plots
-    from blocktune.tuner.replay.report import format_table, report_dict, write_json
+    from blocktune.tuner.replay.report import format_replay_table, report_dict, write_json
     from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError, replay
 
     try:
-        policy = load_policy(args.policy)
-        calibration = calibration_for(policy, Path(args.policy).parent)
+        policy, calibration = load_policy_and_calibration(args.policy)
         frame, label = _load(args)
         if args.json != "-":
             _print_setup(frame, label, policy, args.policy, calibration.describe())
@@ -90,7 +93,7 @@ def run_replay(args: argparse.Namespace) -> int:
         left_out = report.trace["too_long_for_the_pool"]
         if left_out:
             print(f"left out {left_out} requests longer than the KV pool")
-        print(format_table(report))
+        print(format_replay_table(report))
         switches = report.runs[ADAPTIVE].switches
         steps = ", ".join(f"B={size} at {t:.0f} s" for _, t, size in switches) or "none"
         print(f"adaptive: starts at B={report.policy['initial_block_size']}; switches: {steps}")
@@ -151,8 +154,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--policy",
         default=DEFAULT_POLICY,
-        metavar="FILE",
-        help=f"policy YAML: model, KV budget, candidates, timing (default: {DEFAULT_POLICY})",
+        metavar="FILE|NAME",
+        help="policy YAML file or bundled policy name: model, KV budget, candidates, timing "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--out",

@@ -19,16 +19,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from blocktune.tuner.core.calibration import CalibrationError
     from blocktune.tuner.core.config_files import ConfigError
-    from blocktune.tuner.core.policy import load_policy
-    from blocktune.tuner.serving.http import InsecureBind, check_bind, log_event, token_from_env
+    from blocktune.tuner.core.policy import load_policy, policy_path
+    from blocktune.tuner.operations import log_event, token_from_env
+    from blocktune.tuner.serving.http import InsecureBind, check_bind
     from blocktune.tuner.serving.sidecar_app import create_sidecar_app
     from blocktune.tuner.sidecar.sidecar import Sidecar
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
-    policy_path = Path(args.policy)
     try:
-        policy = load_policy(policy_path)
+        policy_file = policy_path(args.policy)
+        policy = load_policy(policy_file)
     except ConfigError as error:
         for problem in error.problems:
             print(problem, file=sys.stderr)
@@ -39,13 +40,13 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.state_file is not None:
         state_file = Path(args.state_file)
     elif server.state_file is not None:
-        state_file = policy_path.parent / Path(server.state_file).expanduser()
+        state_file = policy_file.parent / Path(server.state_file).expanduser()
     else:
         state_file = None
     token = token_from_env(policy.auth.token_env)
     try:
         check_bind(host, token)
-        sidecar = Sidecar(policy, state_file=state_file, base_dir=policy_path.parent)
+        sidecar = Sidecar(policy, state_file=state_file, base_dir=policy_file.parent)
     except (InsecureBind, ConfigError, CalibrationError, ValueError) as error:
         print(f"blocktune serve: {error}", file=sys.stderr)
         return 2
@@ -90,7 +91,12 @@ def register(commands: argparse._SubParsersAction) -> None:
             "without one only a loopback address is served."
         ),
     )
-    parser.add_argument("--policy", required=True, metavar="FILE", help="policy YAML file")
+    parser.add_argument(
+        "--policy",
+        required=True,
+        metavar="FILE|NAME",
+        help="policy YAML file, or the name of a bundled policy (default, long_document, ...)",
+    )
     parser.add_argument(
         "--host", default=None, help="address to bind (default: the policy's, 127.0.0.1)"
     )

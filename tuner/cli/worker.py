@@ -42,10 +42,12 @@ def run_worker(args: argparse.Namespace) -> int:
     import uvicorn
 
     from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.model import ModelLoadError, load_model
     from blocktune.tuner.core.config_files import ConfigError
-    from blocktune.tuner.serving.http import InsecureBind, check_bind, token_from_env
-    from blocktune.tuner.serving.worker_app import EngineLoop, LengthPusher, create_worker_app
+    from blocktune.tuner.operations import token_from_env
+    from blocktune.tuner.serving.http import InsecureBind, check_bind
+    from blocktune.tuner.serving.worker_app import LengthPusher, create_worker_app
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:

@@ -1,13 +1,16 @@
-"""Replay request lengths through a real BlockManager and measure its blocks and padding.
+"""Drive a real BlockManager with request lengths: the one loop behind replays and timings.
 
-A plain stepped model of a server: each step of `step_s` seconds admits the
-requests that have arrived (allocating their prompts) and appends one token to
-every running request; a request is freed after its last output token. The
-pool is large enough that nothing waits, so the figures are the workload's own.
+`drive_block_manager` is a plain stepped model of a server: each step admits
+requests (by arrival time, or up to a number running at once), allocating
+their prompts, appends one token to every running request and frees a
+request after its last output token. `replay_block_manager` uses it to
+measure a trace's blocks and padding with a pool large enough that nothing
+waits; `measure.measure_host` and the BlockManager benchmark time it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +18,54 @@ import pandas as pd
 
 from blocktune.runtime.block_manager import BlockManager
 
-__all__ = ["BlockReplayStats", "replay_block_manager"]
+__all__ = ["BlockReplayStats", "drive_block_manager", "replay_block_manager"]
+
+
+def drive_block_manager(
+    manager: BlockManager,
+    prompts: np.ndarray,
+    outputs: np.ndarray,
+    *,
+    arrivals: np.ndarray | None = None,
+    concurrency: int | None = None,
+    step_s: float = 0.05,
+    on_step: Callable[[int, int], None] | None = None,
+) -> int:
+    """Serve the requests on `manager` step by step; returns the number of steps.
+
+    With `arrivals` (seconds, sorted) a step of `step_s` admits every request
+    that has arrived; with `concurrency` it admits requests in order while
+    fewer than that run. `on_step(running, held_tokens)` is called after each
+    step's appends, before the finished requests are freed.
+    """
+    total = len(prompts)
+    remaining: dict[int, int] = {}
+    held = steps = next_request = 0
+    now = 0.0
+    while next_request < total or remaining:
+        if arrivals is not None and not remaining:
+            now = max(now, float(arrivals[next_request]))
+        while next_request < total and (
+            arrivals[next_request] <= now if arrivals is not None else len(remaining) < concurrency
+        ):
+            prompt = int(prompts[next_request])
+            manager.allocate(next_request, [0] * prompt)
+            remaining[next_request] = int(outputs[next_request])
+            held += prompt
+            next_request += 1
+        for seq_id in remaining:
+            manager.append_tokens(seq_id, (0,))
+            remaining[seq_id] -= 1
+        held += len(remaining)
+        steps += 1
+        if on_step is not None:
+            on_step(len(remaining), held)
+        for seq_id in [s for s, left in remaining.items() if left == 0]:
+            held -= manager.num_tokens(seq_id)
+            manager.free(seq_id)
+            del remaining[seq_id]
+        now += step_s
+    return steps
 
 
 @dataclass(frozen=True)
@@ -40,44 +90,33 @@ def replay_block_manager(
     trace: pd.DataFrame, block_size: int, *, step_s: float = 0.05
 ) -> BlockReplayStats:
     """Replay `trace` (arrival_s, prompt_tokens, output_tokens) at one block size."""
-    arrivals = trace["arrival_s"].to_numpy(dtype=np.float64)
     prompts = trace["prompt_tokens"].to_numpy(dtype=np.int64)
     outputs = trace["output_tokens"].to_numpy(dtype=np.int64)
     num_blocks = int((-(-(prompts + outputs) // block_size)).sum()) + 1
     manager = BlockManager(num_blocks, block_size)
-    remaining: dict[int, int] = {}
-    used_slots = 0
-    peak_blocks = padding = allocated = steps = 0
-    next_request, now = 0, 0.0
-    while next_request < len(arrivals) or remaining:
-        if not remaining:
-            now = max(now, arrivals[next_request])
-        while next_request < len(arrivals) and arrivals[next_request] <= now:
-            manager.allocate(next_request, [0] * int(prompts[next_request]))
-            remaining[next_request] = int(outputs[next_request])
-            used_slots += int(prompts[next_request])
-            next_request += 1
-        for seq_id in remaining:
-            manager.append_tokens(seq_id, (0,))
-            remaining[seq_id] -= 1
-        used_slots += len(remaining)
+    totals = {"peak": 0, "padding": 0, "allocated": 0}
+
+    def account(_running: int, held: int) -> None:
         blocks = num_blocks - manager.num_free_blocks
-        peak_blocks = max(peak_blocks, blocks)
-        allocated += blocks * block_size
-        padding += blocks * block_size - used_slots
-        steps += 1
-        for seq_id in [s for s, left in remaining.items() if left == 0]:
-            used_slots -= manager.num_tokens(seq_id)
-            manager.free(seq_id)
-            del remaining[seq_id]
-        now += step_s
+        totals["peak"] = max(totals["peak"], blocks)
+        totals["allocated"] += blocks * block_size
+        totals["padding"] += blocks * block_size - held
+
+    steps = drive_block_manager(
+        manager,
+        prompts,
+        outputs,
+        arrivals=trace["arrival_s"].to_numpy(dtype=np.float64),
+        step_s=step_s,
+        on_step=account,
+    )
     manager.check()
     return BlockReplayStats(
         block_size=block_size,
-        requests=len(arrivals),
+        requests=len(prompts),
         steps=steps,
-        peak_blocks=peak_blocks,
-        peak_slots=peak_blocks * block_size,
-        padding_slot_steps=padding,
-        allocated_slot_steps=allocated,
+        peak_blocks=totals["peak"],
+        peak_slots=totals["peak"] * block_size,
+        padding_slot_steps=totals["padding"],
+        allocated_slot_steps=totals["allocated"],
     )

@@ -59,9 +59,9 @@ __all__ = [
     "CandidateCost",
     "CostModel",
     "EmptyWindow",
-    "SeedHeuristic",
+    "ArticleHeuristic",
     "block_steps",
-    "seed_heuristic",
+    "article_heuristic",
     "token_steps",
 ]
 
@@ -91,7 +91,7 @@ def block_steps(prompts: np.ndarray, outputs: np.ndarray, block_size: int) -> np
 
 
 @dataclass(frozen=True)
-class SeedHeuristic:
+class ArticleHeuristic:
     """The seed's sqrt rule as stated, and its conversion to a token count."""
 
     length_tokens: float
@@ -101,21 +101,21 @@ class SeedHeuristic:
     block_size: int
 
 
-def seed_heuristic(
+def article_heuristic(
     length_tokens: float,
     *,
     head_dim: int,
     num_heads: int,
     dtype_bytes: int,
     candidates: tuple[int, ...],
-) -> SeedHeuristic:
+) -> ArticleHeuristic:
     """sqrt(length x head_dim x heads x 2 x dtype_bytes), divided by the bytes per token of
     that product (head_dim x heads x 2 x dtype_bytes) as the seed does, then the nearest
     candidate power of two."""
     bytes_per_token = head_dim * num_heads * 2 * dtype_bytes
     value = math.sqrt(length_tokens * bytes_per_token)
     tokens = value / bytes_per_token
-    return SeedHeuristic(
+    return ArticleHeuristic(
         length_tokens=float(length_tokens),
         value_sqrt_token_bytes=value,
         bytes_per_token=bytes_per_token,
@@ -159,8 +159,10 @@ class CostModel:
         self.calibration = calibration
         model = policy.model
         self._slot_bytes = model.kv_bytes_per_token
-        self._weights_s = model.weight_bytes / calibration.memory_bandwidth_bytes_per_s
-        self._prefill_s_per_token = 2 * model.num_params / calibration.compute_flops_per_s
+        self.weights_read_s = model.weight_bytes / calibration.memory_bandwidth_bytes_per_s
+        """Seconds to read the weights once (every engine step does)."""
+        self.prefill_s_per_token = 2 * model.num_params / calibration.compute_flops_per_s
+        """Seconds of matmul work per prompt token computed."""
 
     def kernel(self, block_size: int) -> KernelCoefficients:
         """Calibrated kernel coefficients for this model's K/V bytes per token and layer."""
@@ -169,6 +171,15 @@ class CostModel:
     def capacity_slots(self, block_size: int) -> int:
         """Token slots of the KV budget in whole blocks of `block_size`."""
         return int(self.policy.kv_budget) // (block_size * self._slot_bytes) * block_size
+
+    def swap_cost_s(self, live_tokens: float, old_block_size: int, new_block_size: int) -> float:
+        """Modelled pause of a block-size swap: a shrink moves nothing (each old block is a
+        run of new ones); a grow copies `policy.grow_copy_fraction` (1.0 by default, an upper
+        bound) of the live tokens' K and V at the calibrated copy bandwidth."""
+        if new_block_size <= old_block_size:
+            return 0.0
+        moved = live_tokens * self._slot_bytes * self.policy.grow_copy_fraction
+        return moved / self.calibration.copy_bandwidth_bytes_per_s
 
     def costs(
         self,
@@ -206,12 +217,12 @@ class CostModel:
         per_request = allocated / generated
         capacity = self.capacity_slots(block_size)
         concurrent = capacity / per_request
-        weights = (self._weights_s + layers * kernel.launch_s) / concurrent
+        weights = (self.weights_read_s + layers * kernel.launch_s) / concurrent
         translation = layers * kernel.per_block_s * blocks / generated
         bandwidth = layers * kernel.per_token_s * held / generated
         host = self.calibration.host_s_per_token[block_size]
         lost_tokens = shared_prefixes * (block_size - 1) / 2
-        prefix = lost_tokens * self._prefill_s_per_token / generated
+        prefix = lost_tokens * self.prefill_s_per_token / generated
         padding_per_request = (allocated - held) / generated
         return CandidateCost(
             block_size=block_size,
@@ -243,14 +254,14 @@ class CostModel:
         c_block = layers * float(
             np.mean([self.kernel(b).per_block_s for b in self.policy.candidates])
         )
-        c_pad = self._weights_s * self._slot_bytes / int(self.policy.kv_budget)
+        c_pad = self.weights_read_s * self._slot_bytes / int(self.policy.kv_budget)
         optimum = math.sqrt(2 * c_block * mean_context_tokens / c_pad)
         return optimum, nearest_power_of_two(optimum, self.policy.candidates)
 
-    def seed_heuristic(self, length_tokens: float) -> SeedHeuristic:
+    def article_heuristic(self, length_tokens: float) -> ArticleHeuristic:
         """The seed's rule for this policy's model (query heads, as the seed states it)."""
         model = self.policy.model
-        return seed_heuristic(
+        return article_heuristic(
             length_tokens,
             head_dim=model.head_dim,
             num_heads=model.num_heads,

@@ -167,27 +167,15 @@ def measure_host(block_size: int, *, requests: int, concurrency: int, seed: int 
     append one token per step, free when done.
     """
     from blocktune.runtime.block_manager import BlockManager
+    from blocktune.tuner.core.block_replay import drive_block_manager
 
     rng = np.random.default_rng(seed)
     prompts = np.exp(rng.uniform(np.log(16), np.log(2048), requests)).astype(int)
     outputs = np.exp(rng.uniform(np.log(16), np.log(512), requests)).astype(int)
-    prompt_tokens = [[0] * int(p) for p in prompts]
     longest = int((prompts + outputs).max())
     manager = BlockManager(concurrency * (-(-longest // block_size)) + 1, block_size)
-    remaining: dict[int, int] = {}
-    next_request = 0
     begin = time.perf_counter()
-    while next_request < requests or remaining:
-        while len(remaining) < concurrency and next_request < requests:
-            manager.allocate(next_request, prompt_tokens[next_request])
-            remaining[next_request] = int(outputs[next_request])
-            next_request += 1
-        for seq_id in remaining:
-            manager.append_tokens(seq_id, (0,))
-            remaining[seq_id] -= 1
-        for seq_id in [s for s, left in remaining.items() if left == 0]:
-            manager.free(seq_id)
-            del remaining[seq_id]
+    drive_block_manager(manager, prompts, outputs, concurrency=concurrency)
     return (time.perf_counter() - begin) / int(outputs.sum())
 
 

@@ -67,13 +67,13 @@ __all__ = [
     "DTYPE_BYTES",
     "ActuatorSettings",
     "AuthSettings",
-    "JsonlLogSource",
+    "JsonlLogSettings",
     "ModelShape",
     "Policy",
     "Section",
     "ServerSettings",
     "Sources",
-    "VllmMetricsSource",
+    "VllmMetricsSettings",
     "WindowSettings",
     "bundled_policies",
     "load_policy",
@@ -215,7 +215,7 @@ class WindowSettings(Section):
         return self
 
 
-class VllmMetricsSource(Section):
+class VllmMetricsSettings(Section):
     """Scrape a vLLM server's Prometheus `/metrics` for its request-length histograms."""
 
     url: HttpUrl
@@ -223,7 +223,7 @@ class VllmMetricsSource(Section):
     timeout: Duration = timedelta(seconds=5)
 
 
-class JsonlLogSource(Section):
+class JsonlLogSettings(Section):
     """Follow a JSONL request log (one finished request per line) through rotation.
 
     Field names may be dotted paths into nested objects (`usage.prompt_tokens`);
@@ -245,8 +245,8 @@ class Sources(Section):
     """Where the sidecar's request lengths come from; several may be on at once."""
 
     push: bool = Field(default=True, description="accept POST /v1/observations")
-    vllm_metrics: VllmMetricsSource | None = None
-    jsonl_log: JsonlLogSource | None = None
+    vllm_metrics: VllmMetricsSettings | None = None
+    jsonl_log: JsonlLogSettings | None = None
 
     @model_validator(mode="after")
     def _at_least_one(self) -> Sources:

@@ -25,11 +25,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from blocktune.kernels import is_power_of_two
 from blocktune.tuner.core.calibration import Calibration
-from blocktune.tuner.core.cost_model import CandidateCost, CostModel, SeedHeuristic
+from blocktune.tuner.core.cost_model import ArticleHeuristic, CandidateCost, CostModel
+from blocktune.tuner.core.jsonable import to_jsonable
 from blocktune.tuner.core.policy import Policy
 from blocktune.tuner.core.window import WindowSnapshot
 
@@ -45,17 +46,41 @@ class Decision:
     """The selector's answer: the best size, the prior, every candidate's costs, and why."""
 
     block_size: int
-    heuristic_block_size: int
+    prior_block_size: int
     candidates: list[CandidateCost]
     switch: bool
     reason: str
     current_block_size: int
     samples: int
     principled_block_tokens: float | None = None
-    seed_heuristic: SeedHeuristic | None = None
+    article_heuristic: ArticleHeuristic | None = None
     predicted_gain_s: float = 0.0
     swap_cost_s: float = 0.0
     decided_at: float = 0.0
+
+    def to_dict(self) -> dict:
+        """The decision as strict JSON types (the one JSON form every surface uses)."""
+        return to_jsonable(
+            {
+                "block_size": self.block_size,
+                "prior_block_size": self.prior_block_size,
+                "current_block_size": self.current_block_size,
+                "switch": self.switch,
+                "reason": self.reason,
+                "samples": self.samples,
+                "principled_block_tokens": self.principled_block_tokens,
+                "article_heuristic": (
+                    None if self.article_heuristic is None else asdict(self.article_heuristic)
+                ),
+                "predicted_gain_s": self.predicted_gain_s,
+                "swap_cost_s": self.swap_cost_s,
+                "decided_at": self.decided_at,
+                "candidates": [
+                    {**asdict(c), "kernel_s_per_token": c.kernel_s_per_token}
+                    for c in self.candidates
+                ],
+            }
+        )
 
     def cost_of(self, block_size: int) -> CandidateCost:
         """The cost record of `block_size` (KeyError if it was not priced)."""
@@ -87,11 +112,32 @@ class Selector:
         with self._lock:
             return self._last_switch
 
-    def record_switch(self, decision: Decision) -> None:
-        """Note that `decision` (a switch) was applied: `min_dwell` counts from its time."""
-        if decision.switch:
-            with self._lock:
-                self._last_switch = decision.decided_at
+    def record_switch(self, at: float) -> None:
+        """Note that a switch took effect at clock time `at`: `min_dwell` counts from it."""
+        with self._lock:
+            self._last_switch = at
+
+    def step(
+        self,
+        snapshot: WindowSnapshot,
+        current_block_size: int,
+        apply: Callable[[Decision], int],
+        *,
+        now: float | None = None,
+    ) -> tuple[Decision, int]:
+        """Decide, let `apply` carry out a switch, and record it only if it took effect.
+
+        `apply` receives a switching decision and returns the block size in force
+        afterwards; the decision and that size are returned. This is the one
+        decide-apply-record loop of the sidecar and the replay's adaptive tuner.
+        """
+        decision = self.decide(snapshot, current_block_size, now=now)
+        if not decision.switch:
+            return decision, current_block_size
+        in_force = apply(decision)
+        if in_force == decision.block_size:
+            self.record_switch(decision.decided_at)
+        return decision, in_force
 
     def decide(
         self, snapshot: WindowSnapshot, current_block_size: int, *, now: float | None = None
@@ -113,7 +159,7 @@ class Selector:
         if generated == 0:
             return Decision(
                 block_size=current,
-                heuristic_block_size=current,
+                prior_block_size=current,
                 candidates=[],
                 switch=False,
                 reason=(
@@ -123,7 +169,7 @@ class Selector:
             )
         mean_context = float((prompts * outputs + outputs * (outputs + 1) / 2).sum() / generated)
         optimum, prior = model.principled_block_size(mean_context)
-        seed = model.seed_heuristic(float(snapshot.total.median))
+        seed = model.article_heuristic(float(snapshot.total.median))
         # A size in force that the calibration cannot price (e.g. reported by vLLM) is left
         # out: the cheapest candidate then wins without a gain-versus-cost test.
         calibrated = current in model.calibration.block_sizes
@@ -131,11 +177,11 @@ class Selector:
         costs = model.costs(
             prompts, outputs, shared_prefixes=snapshot.shared_prefixes, block_sizes=priced
         )
-        base.update(principled_block_tokens=optimum, seed_heuristic=seed)
+        base.update(principled_block_tokens=optimum, article_heuristic=seed)
         if snapshot.count < policy.window.min_samples:
             return Decision(
                 block_size=prior,
-                heuristic_block_size=prior,
+                prior_block_size=prior,
                 candidates=costs,
                 switch=False,
                 reason=(
@@ -149,7 +195,7 @@ class Selector:
             (by_size[b] for b in policy.candidates),
             key=lambda c: (c.objective_s_per_token, c.block_size != current, c.block_size),
         )
-        decision = {"block_size": best.block_size, "heuristic_block_size": prior}
+        decision = {"block_size": best.block_size, "prior_block_size": prior}
         if best.block_size == current:
             reason = f"B={current} is already the cheapest candidate"
             return Decision(candidates=costs, switch=False, reason=reason, **decision, **base)
@@ -167,7 +213,7 @@ class Selector:
             )
             return Decision(candidates=costs, switch=True, reason=reason, **decision, **base)
         gain = self._gain_s(snapshot, by_size[current], best)
-        swap = self._swap_cost_s(by_size[current], best)
+        swap = model.swap_cost_s(by_size[current].capacity_tokens, current, best.block_size)
         base.update(predicted_gain_s=gain, swap_cost_s=swap)
         saving = 1 - best.objective_s_per_token / by_size[current].objective_s_per_token
         required = swap * policy.safety_factor
@@ -196,10 +242,3 @@ class Selector:
         rate = snapshot.generated_tokens_per_s()
         tokens = saturated_tokens if rate is None else min(rate * interval, saturated_tokens)
         return tokens * (current.objective_s_per_token - best.objective_s_per_token)
-
-    def _swap_cost_s(self, current: CandidateCost, best: CandidateCost) -> float:
-        if best.block_size < current.block_size:
-            return 0.0
-        live = current.capacity_tokens * self.policy.model.kv_bytes_per_token
-        moved = live * self.policy.grow_copy_fraction
-        return moved / self.cost_model.calibration.copy_bandwidth_bytes_per_s

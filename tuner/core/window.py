@@ -1,7 +1,7 @@
 """The length window: the most recent finished requests, in a fixed-size ring buffer.
 
 `LengthWindow.observe()` writes one request in O(1) under a lock, so engine
-threads can report finished requests while the collector takes snapshots.
+threads can report finished requests while the decision scheduler takes snapshots.
 Memory is `capacity` rows whatever the load: the oldest request is overwritten.
 
 A request's prefix group (any hashable, or None) is stored as a 63-bit key:
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
-    "InvalidObservation",
+    "InvalidWindowInput",
     "LengthSummary",
     "LengthWindow",
     "WindowSnapshot",
@@ -31,7 +31,7 @@ BINS_PER_OCTAVE = 4
 MAX_LENGTH_OCTAVES = 21  # histogram edges up to 2**21 tokens
 
 
-class InvalidObservation(ValueError):
+class InvalidWindowInput(ValueError):
     """A request that cannot be observed: the message names the bad value."""
 
 
@@ -138,7 +138,7 @@ class LengthWindow:
 
     def __init__(self, capacity: int = 1000, *, clock: Callable[[], float] = time.time) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
-            raise InvalidObservation(f"capacity must be a positive integer, got {capacity!r}")
+            raise InvalidWindowInput(f"capacity must be a positive integer, got {capacity!r}")
         self._capacity = capacity
         self._clock = clock
         self._lock = threading.Lock()
@@ -194,27 +194,27 @@ class LengthWindow:
         outputs = np.asarray(output_tokens)
         n = len(prompts)
         if prompts.ndim != 1 or outputs.shape != prompts.shape:
-            raise InvalidObservation(
+            raise InvalidWindowInput(
                 f"prompt_tokens and output_tokens must be 1-D of one length, got shapes "
                 f"{prompts.shape} and {outputs.shape}"
             )
         if n and not (np.issubdtype(prompts.dtype, np.integer) and prompts.min() >= 1):
-            raise InvalidObservation("prompt_tokens must be integers >= 1")
+            raise InvalidWindowInput("prompt_tokens must be integers >= 1")
         if n and not (np.issubdtype(outputs.dtype, np.integer) and outputs.min() >= 0):
-            raise InvalidObservation("output_tokens must be integers >= 0")
+            raise InvalidWindowInput("output_tokens must be integers >= 0")
         if timestamps is None:
             stamps = np.full(n, self._clock(), dtype=np.float64)
         else:
             stamps = np.asarray(timestamps, dtype=np.float64)
             if stamps.shape != prompts.shape:
-                raise InvalidObservation(
+                raise InvalidWindowInput(
                     f"timestamps has shape {stamps.shape}, expected {prompts.shape}"
                 )
         if prefix_groups is None:
             keys, has = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=bool)
         else:
             if len(prefix_groups) != n:
-                raise InvalidObservation(
+                raise InvalidWindowInput(
                     f"prefix_groups has {len(prefix_groups)} entries, expected {n}"
                 )
             has = np.array([g is not None for g in prefix_groups], dtype=bool)
@@ -270,5 +270,5 @@ def _check_lengths(prompt_tokens: object, output_tokens: object) -> tuple[int, i
         ("output_tokens", output_tokens, 0),
     ):
         if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-            raise InvalidObservation(f"{name} must be an integer >= {low}, got {value!r}")
+            raise InvalidWindowInput(f"{name} must be an integer >= {low}, got {value!r}")
     return int(prompt_tokens), int(output_tokens)

@@ -20,7 +20,7 @@ import numpy as np
 
 from blocktune.tuner.core.calibration import Calibration
 from blocktune.tuner.core.policy import Policy
-from blocktune.tuner.core.selector import Selector
+from blocktune.tuner.core.selector import Decision, Selector
 from blocktune.tuner.core.window import LengthWindow
 
 __all__ = ["AdaptiveController", "OracleController", "TimelinePoint"]
@@ -57,7 +57,6 @@ class AdaptiveController:
         self._groups = groups
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []
         self.timeline: list[TimelinePoint] = []
-        self.reasons: list[str] = []
 
     def observe(self, requests: np.ndarray, finish_s: np.ndarray) -> None:
         self._pending.append((requests, finish_s))
@@ -76,15 +75,15 @@ class AdaptiveController:
                 prefix_groups=[self._groups[i] for i in requests.tolist()],
             )
         snapshot = self.window.snapshot()
-        decision = self.selector.decide(snapshot, block_size, now=now)
-        new_size = block_size
-        if decision.switch:
-            self.selector.record_switch(decision)
-            new_size = decision.block_size
+        _, new_size = self.selector.step(snapshot, block_size, _switch_applied, now=now)
         median = None if snapshot.count == 0 else float(snapshot.total.median)
         self.timeline.append(TimelinePoint(now, new_size, median))
-        self.reasons.append(decision.reason)
         return new_size
+
+
+def _switch_applied(decision: Decision) -> int:
+    """A replayed switch always takes effect (its pause is charged by the simulator)."""
+    return decision.block_size
 
 
 class OracleController:

@@ -9,16 +9,16 @@ do not exist (a percentile of nothing) are null.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
+from blocktune.tuner.core.jsonable import to_jsonable
 from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayReport, static_name
 
 __all__ = [
     "RESULT_KEYS",
     "comparisons",
-    "format_table",
+    "format_replay_table",
     "report_dict",
     "write_json",
 ]
@@ -49,25 +49,21 @@ def format_bytes(value: float) -> str:
     return f"{value:.1f} TiB"
 
 
-def _number(value: object) -> object:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
 def report_dict(report: ReplayReport) -> dict:
     """The report as plain JSON types (see the module docstring)."""
-    return {
-        "trace": {k: _number(v) for k, v in report.trace.items()},
-        "policy": {k: _number(v) for k, v in report.policy.items()},
-        "results": [
-            {key: _number(getattr(result, key)) for key in RESULT_KEYS} for result in report.results
-        ],
-        "timeline": [
-            {"t_s": p.t_s, "block_size": p.block_size, "median_len": _number(p.median_len)}
-            for p in report.timeline
-        ],
-    }
+    return to_jsonable(
+        {
+            "trace": report.trace,
+            "policy": report.policy,
+            "results": [
+                {key: getattr(result, key) for key in RESULT_KEYS} for result in report.results
+            ],
+            "timeline": [
+                {"t_s": p.t_s, "block_size": p.block_size, "median_len": p.median_len}
+                for p in report.timeline
+            ],
+        }
+    )
 
 
 def write_json(report: ReplayReport, path: Path) -> None:
@@ -110,7 +106,7 @@ _COLUMNS = (
 )
 
 
-def format_table(report: ReplayReport) -> str:
+def format_replay_table(report: ReplayReport) -> str:
     """One row per policy, then the adaptive-vs-oracle and adaptive-vs-static-16 ratios."""
     rows = [[title for title, _, _ in _COLUMNS], [unit for _, unit, _ in _COLUMNS]]
     rows += [[value(result) for _, _, value in _COLUMNS] for result in report.results]

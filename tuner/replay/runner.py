@@ -33,7 +33,7 @@ from blocktune.tuner.core.policy import Policy, nearest_power_of_two
 from blocktune.tuner.replay.controllers import AdaptiveController, OracleController, TimelinePoint
 from blocktune.tuner.replay.objective import IntervalCosts
 from blocktune.tuner.replay.simulator import Controller, Run, simulate
-from blocktune.tuner.replay.step_cost import ServerModel
+from blocktune.tuner.replay.step_cost import StepCostModel
 from blocktune.tuner.replay.workload import EmptyWorkload, Workload
 
 __all__ = [
@@ -167,9 +167,9 @@ def replay(
 
     `initial_block_size` is where the adaptive policy starts (default: the
     candidate nearest 16). `fixed_step_s` replaces the calibrated step time
-    (see `ServerModel`). `progress` shows a tqdm bar per policy.
+    (see `StepCostModel`). `progress` shows a tqdm bar per policy.
     """
-    server = ServerModel(policy, calibration, fixed_step_s)
+    server = StepCostModel(policy, calibration, fixed_step_s)
     initial = _initial(policy, initial_block_size)
     try:
         loaded = Workload.from_frame(frame)

@@ -31,7 +31,7 @@ once with numpy instead of looping per step.
 A `Controller` changes the block size at interval boundaries of trace time (at
 the first step boundary after each). A switch rebuilds the running requests'
 blocks at the new size (preempting the youngest if they no longer fit) and, if
-the controller says so, pauses the server for `ServerModel.swap_pause_s`.
+the controller says so, pauses the server for `StepCostModel.swap_pause_s`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Protocol
 
 import numpy as np
 
-from blocktune.tuner.replay.step_cost import ServerModel
+from blocktune.tuner.replay.step_cost import StepCostModel
 from blocktune.tuner.replay.workload import Workload
 
 __all__ = ["Controller", "Run", "simulate"]
@@ -111,7 +111,7 @@ class Run:
 
 def simulate(
     workload: Workload,
-    server: ServerModel,
+    server: StepCostModel,
     block_size: int,
     *,
     controller: Controller | None = None,
@@ -134,7 +134,7 @@ class _Server:
     def __init__(
         self,
         workload: Workload,
-        server: ServerModel,
+        server: StepCostModel,
         block_size: int,
         controller: Controller | None,
         progress: Progress | None,

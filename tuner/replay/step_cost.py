@@ -25,7 +25,7 @@ from blocktune.tuner.core.calibration import Calibration
 from blocktune.tuner.core.cost_model import CostModel
 from blocktune.tuner.core.policy import Policy
 
-__all__ = ["ServerModel", "StepCost"]
+__all__ = ["StepCostModel", "StepCost"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class StepCost:
 
 
 @dataclass(frozen=True)
-class ServerModel:
+class StepCostModel:
     """The pool and step costs of a deployment (`policy`) on a device (`calibration`).
 
     `fixed_step_s` replaces the calibrated step time by a constant (every other
@@ -76,23 +76,17 @@ class ServerModel:
         """The step-time coefficients at `block_size`."""
         if self.fixed_step_s is not None:
             return StepCost(self.fixed_step_s, 0.0, 0.0, 0.0, 0.0)
-        model, calibration = self.policy.model, self.calibration
-        kernel = self.cost_model.kernel(block_size)
-        layers = model.num_layers
+        costs = self.cost_model
+        kernel = costs.kernel(block_size)
+        layers = self.policy.model.num_layers
         return StepCost(
-            fixed_s=model.weight_bytes / calibration.memory_bandwidth_bytes_per_s
-            + layers * kernel.launch_s,
+            fixed_s=costs.weights_read_s + layers * kernel.launch_s,
             per_block_s=layers * kernel.per_block_s,
             per_token_s=layers * kernel.per_token_s,
-            per_sequence_s=calibration.host_s_per_token[block_size],
-            prefill_s_per_token=2 * model.num_params / calibration.compute_flops_per_s,
+            per_sequence_s=self.calibration.host_s_per_token[block_size],
+            prefill_s_per_token=costs.prefill_s_per_token,
         )
 
     def swap_pause_s(self, live_tokens: int, old_block_size: int, new_block_size: int) -> float:
-        """Modelled pause of a block-size swap, as the selector prices it: a shrink moves
-        nothing; a grow copies `policy.grow_copy_fraction` (1.0 by default, an upper bound)
-        of the live tokens' K and V, at the calibrated copy bandwidth."""
-        if new_block_size <= old_block_size:
-            return 0.0
-        moved = live_tokens * self.kv_bytes_per_slot * self.policy.grow_copy_fraction
-        return moved / self.calibration.copy_bandwidth_bytes_per_s
+        """Modelled pause of a block-size swap, priced as the selector prices it."""
+        return self.cost_model.swap_cost_s(live_tokens, old_block_size, new_block_size)

@@ -1,4 +1,4 @@
-"""What blocktune's HTTP services share: bearer-token auth, safe binding, body limits, logs.
+"""What blocktune's HTTP services share: bearer-token auth, safe binding, body limits.
 
 Both the sidecar and the worker are FastAPI apps served by uvicorn. Mutating
 endpoints require `Authorization: Bearer <token>` when a token is configured
@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
-import logging
-import os
-import time
 
 from fastapi import HTTPException, Request
 from fastapi.responses import JSONResponse
@@ -24,8 +20,6 @@ __all__ = [
     "BearerAuth",
     "InsecureBind",
     "check_bind",
-    "log_event",
-    "token_from_env",
 ]
 
 MAX_BODY_BYTES = 1 << 20
@@ -51,13 +45,6 @@ def check_bind(host: str, token: str | None) -> None:
             f"refusing to bind {host}: no bearer token is configured (set the token "
             "environment variable named by the policy, or bind 127.0.0.1)"
         )
-
-
-def token_from_env(name: str | None) -> str | None:
-    """The token in environment variable `name`, or None when unnamed, unset or empty."""
-    if not name:
-        return None
-    return os.environ.get(name) or None
 
 
 class BearerAuth:
@@ -119,8 +106,3 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited_receive, send)
-
-
-def log_event(logger: logging.Logger, event: str, **fields: object) -> None:
-    """One structured log line: `{"ts": ..., "event": ..., **fields}` as JSON."""
-    logger.info(json.dumps({"ts": round(time.time(), 3), "event": event, **fields}, default=str))

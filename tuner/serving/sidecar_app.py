@@ -27,8 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from blocktune import __version__
+from blocktune.tuner.core.jsonable import to_jsonable
 from blocktune.tuner.serving.http import BearerAuth, BodyLimit
-from blocktune.tuner.sidecar.sidecar import PushDisabled, Sidecar, plain
+from blocktune.tuner.sidecar.sidecar import PushDisabled, Sidecar
 from blocktune.tuner.sidecar.sources import (
     MAX_OBSERVATIONS,
     InvalidObservations,
@@ -53,7 +54,7 @@ def _observations_body() -> dict:
 
 
 def _json(body: object, status_code: int = 200) -> Response:
-    text = json.dumps(plain(body), allow_nan=False, separators=(",", ":"))
+    text = json.dumps(to_jsonable(body), allow_nan=False, separators=(",", ":"))
     return Response(text, status_code=status_code, media_type="application/json")
 
 
@@ -94,9 +95,9 @@ class _SidecarMetrics:
             decisions.add_metric([switch], count)
         yield decisions
         yield CounterMetricFamily(
-            "blocktune_collector_failures",
+            "blocktune_decision_failures",
             "decision runs that raised",
-            value=m["collector_failures"],
+            value=m["decision_failures"],
         )
         yield CounterMetricFamily(
             "blocktune_observations", "finished requests observed", value=m["observations"]
@@ -169,7 +170,7 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
     async def decide() -> Response:
         decision = await asyncio.to_thread(sidecar.decide)
         if decision is None:
-            detail = f"the decision run failed: {sidecar.collector.last_error}"
+            detail = f"the decision run failed: {sidecar.scheduler.last_error}"
             return _json({"detail": detail}, 503)
         return _json(sidecar.recommendation())
 

@@ -10,15 +10,11 @@ batches from its own thread and never blocks generation.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import httpx
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -28,154 +24,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from blocktune.runtime.engine import (
-    Engine,
     FinishedRequest,
     RequestError,
     RequestOutput,
     SamplingParams,
 )
+from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.hot_swap import SwapResult
-from blocktune.tuner.serving.http import BearerAuth, BodyLimit, log_event
+from blocktune.tuner.operations import log_event
+from blocktune.tuner.serving.http import BearerAuth, BodyLimit
 
-__all__ = ["CompletionRequest", "EngineLoop", "LengthPusher", "create_worker_app"]
+__all__ = ["CompletionRequest", "LengthPusher", "create_worker_app"]
 
 log = logging.getLogger("blocktune.worker")
-
-
-@dataclass
-class _Job:
-    """A completion handed to the engine thread; `done` is called once with the outcome."""
-
-    prompt: list[int]
-    params: SamplingParams
-    done: Callable[[RequestOutput | Exception], None]
-    request_id: int | None = None
-
-
-class EngineStepFailed(RuntimeError):
-    """The engine raised during a step; the requests in flight were dropped."""
-
-
-@dataclass
-class _Counters:
-    failed_steps: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-
-
-class EngineLoop:
-    """Runs the engine's steps on one thread; thread-safe submit, cancel, swap and state."""
-
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.02) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue[_Job | tuple[str, object]] = queue.SimpleQueue()
-        self._jobs: dict[int, _Job] = {}
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._idle_wait_s = idle_wait_s
-        self.counters = _Counters()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout=10)
-
-    def submit(self, prompt: list[int], params: SamplingParams, done) -> _Job:
-        job = _Job(prompt, params, done)
-        self._inbox.put(job)
-        self._wake.set()
-        return job
-
-    def cancel(self, job: _Job) -> None:
-        self._inbox.put(("cancel", job))
-        self._wake.set()
-
-    def request_block_size(self, block_size: int):
-        ticket = self.engine.request_block_size(block_size)
-        self._wake.set()
-        return ticket
-
-    def state(self) -> dict:
-        with self._lock:
-            stats = self.engine.stats()
-            history = [r.to_dict() for r in self.engine.swap_history]
-        return {
-            **stats,
-            "completed": self.counters.completed,
-            "cancelled": self.counters.cancelled,
-            "rejected": self.counters.rejected,
-            "failed_steps": self.counters.failed_steps,
-            "swap_history": history,
-        }
-
-    def check(self) -> None:
-        """Assert the engine's bookkeeping invariants (between steps)."""
-        with self._lock:
-            self.engine.blocks.check()
-
-    # ------------------------------------------------------------------ the thread
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain_inbox()
-            with self._lock:
-                busy = self.engine.has_unfinished() or self.engine.has_pending_swaps()
-                if busy:
-                    outputs = self._step()
-            if not busy:
-                self._wake.wait(self._idle_wait_s)
-                self._wake.clear()
-                continue
-            for output in outputs:
-                if output.finished:
-                    job = self._jobs.pop(output.request_id, None)
-                    if job is not None:
-                        self.counters.completed += 1
-                        job.done(output)
-
-    def _step(self) -> list[RequestOutput]:
-        """One engine step (lock held). A step that raises fails every request in flight,
-        so nobody waits forever, and the loop keeps serving new ones."""
-        try:
-            outputs = self.engine.step()
-        except Exception as error:
-            log.exception("engine step failed; failing the %d requests in flight", len(self._jobs))
-            failure = EngineStepFailed(f"engine step failed: {type(error).__name__}: {error}")
-            for request_id, job in list(self._jobs.items()):
-                with contextlib.suppress(Exception):
-                    self.engine.cancel(request_id)
-                job.done(failure)
-            self._jobs.clear()
-            self.counters.failed_steps += 1
-            outputs = []
-        return outputs
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, _Job):
-                try:
-                    with self._lock:
-                        item.request_id = self.engine.add_request(item.prompt, item.params)
-                except RequestError as error:
-                    self.counters.rejected += 1
-                    item.done(error)
-                    continue
-                self._jobs[item.request_id] = item
-            else:
-                _, job = item
-                if job.request_id is not None and self._jobs.pop(job.request_id, None):
-                    with self._lock:
-                        self.engine.cancel(job.request_id)
-                    self.counters.cancelled += 1
 
 
 class LengthPusher:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from blocktune.tuner.core.policy import JsonlLogSource as JsonlSettings
+from blocktune.tuner.core.policy import JsonlLogSettings
 from blocktune.tuner.sidecar.sources import Observation, Observations, PollingSource, Sink
 
 __all__ = ["JsonlLogFollower"]
@@ -58,7 +58,7 @@ class JsonlLogFollower(PollingSource):
 
     def __init__(
         self,
-        settings: JsonlSettings,
+        settings: JsonlLogSettings,
         sink: Sink,
         *,
         base: Path = Path("."),

@@ -1,12 +1,10 @@
-"""Every `policy.interval`, snapshot the length window and ask the selector for a decision.
+"""Run the sidecar's decision every `policy.interval` on an APScheduler background thread.
 
-The job runs on an APScheduler `BackgroundScheduler` with an `IntervalTrigger`
-under a stable job id, `coalesce=True` (missed runs collapse into one) and
-`max_instances=1` (never two runs at once). A failing run (selector or
-callback) is logged and counted; the scheduler keeps going. A decision with
-`switch=True` becomes the collector's current block size once `on_decision`
-returns without raising (the callback is where an actuator applies it); only
-then does the selector's `min_dwell` start counting from it.
+The job runs on a `BackgroundScheduler` with an `IntervalTrigger` under a
+stable job id, `coalesce=True` (missed runs collapse into one) and
+`max_instances=1` (never two runs at once). A failing run is logged and
+counted; the scheduler keeps going. What a run does (snapshot, decide, apply,
+record) belongs to the caller's `run` function; the scheduler only times it.
 """
 
 from __future__ import annotations
@@ -14,55 +12,37 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from datetime import timedelta
+from typing import Generic, TypeVar
 
 from apscheduler.job import Job
 from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.triggers.interval import IntervalTrigger
 
-from blocktune.tuner.core.policy import Policy
-from blocktune.tuner.core.selector import Decision, Selector
-from blocktune.tuner.core.window import LengthWindow
+__all__ = ["JOB_ID", "DecisionScheduler"]
 
-__all__ = ["JOB_ID", "Collector"]
-
-JOB_ID = "blocktune-collector"
+JOB_ID = "blocktune-decision"
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
 
-class Collector:
-    """Runs window snapshot -> selector -> `on_decision` every policy interval."""
 
-    def __init__(
-        self,
-        window: LengthWindow,
-        selector: Selector,
-        on_decision: Callable[[Decision], None],
-        policy: Policy,
-        *,
-        block_size: int,
-    ) -> None:
-        self.window = window
-        self.selector = selector
-        self.on_decision = on_decision
-        self.policy = policy
-        self._block_size = block_size
+class DecisionScheduler(Generic[R]):
+    """Calls `run` every `interval` (and on `run_now`), one run at a time, counting failures."""
+
+    def __init__(self, run: Callable[[], R], interval: timedelta) -> None:
+        self._run = run
+        self._interval_s = interval.total_seconds()
         self._run_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._runs = 0
         self._failures = 0
-        self._last_decision: Decision | None = None
         self._last_error: str | None = None
         self._scheduler: BackgroundScheduler | None = None
 
     @property
-    def block_size(self) -> int:
-        """The block size the collector believes is in force."""
-        with self._stats_lock:
-            return self._block_size
-
-    @property
     def runs(self) -> int:
-        """Runs that produced a decision and delivered it."""
+        """Runs that completed without raising."""
         with self._stats_lock:
             return self._runs
 
@@ -71,11 +51,6 @@ class Collector:
         """Runs that raised (logged, counted, and otherwise ignored)."""
         with self._stats_lock:
             return self._failures
-
-    @property
-    def last_decision(self) -> Decision | None:
-        with self._stats_lock:
-            return self._last_decision
 
     @property
     def last_error(self) -> str | None:
@@ -92,15 +67,15 @@ class Collector:
         return self._scheduler is not None and self._scheduler.running
 
     def start(self) -> None:
-        """Schedule the job every `policy.interval` (first run one interval from now)."""
+        """Schedule the run every interval (the first one interval from now)."""
         if self.running:
             return
         scheduler = BackgroundScheduler(daemon=True)
         scheduler.add_job(
-            self._job,
-            IntervalTrigger(seconds=self.policy.interval.total_seconds()),
+            self.run_now,
+            IntervalTrigger(seconds=self._interval_s),
             id=JOB_ID,
-            name="blocktune window -> selector",
+            name="blocktune decision",
             coalesce=True,
             max_instances=1,
             replace_existing=True,
@@ -114,16 +89,11 @@ class Collector:
             self._scheduler.shutdown(wait=wait)
         self._scheduler = None
 
-    def run_now(self) -> Decision | None:
-        """One run in the caller's thread; the decision, or None when the run failed."""
-        return self._job()
-
-    def _job(self) -> Decision | None:
+    def run_now(self) -> R | None:
+        """One run in the caller's thread: its result, or None when it raised."""
         with self._run_lock:
             try:
-                decision = self.selector.decide(self.window.snapshot(), self.block_size)
-                self.on_decision(decision)
-                self.selector.record_switch(decision)
+                result = self._run()
             except Exception as exc:
                 log.exception("block-size decision run failed")
                 with self._stats_lock:
@@ -132,7 +102,4 @@ class Collector:
                 return None
             with self._stats_lock:
                 self._runs += 1
-                self._last_decision = decision
-                if decision.switch:
-                    self._block_size = decision.block_size
-            return decision
+            return result

@@ -2,18 +2,16 @@
 
 `Sidecar` owns the loop. Its sources (pushed observations, a vLLM `/metrics`
 scraper, a JSONL log follower, or the finished requests of an in-process
-engine) fill the length window; the tuner's `Collector` asks the selector for
-a decision every policy interval; in `mode: enforce` an actuator (a blocktune
-worker over HTTP, or the in-process engine) applies a switch, and the selector
-records the switch (`min_dwell` starts) only once the swap is done. Without an
+engine) fill the length window; its `DecisionScheduler` runs one decision
+every policy interval: the selector decides against the block size the sidecar
+knows to be in force (the engine's, the worker's, vLLM's `cache_config_info`);
+in `mode: enforce` an actuator (a blocktune worker over HTTP, or the in-process
+engine) applies a switch, and the selector records the switch (`min_dwell`
+starts) only once the swap is done. Without an
 actuator, or in `mode: recommend`, a switch is a recommendation ("restart vLLM
 with --block-size 8"), logged once per change. After every decision and at
 shutdown the window and the decision are saved to the state file, and restored
 at the next start.
-
-The sidecar, not the collector, knows the block size in force (the engine's,
-the worker's, vLLM's `cache_config_info`), so the collector sees the selector
-through `_SelectorView`, which decides against that size.
 
 `create_sidecar_app` (in `blocktune.tuner.serving.sidecar_app`) serves a `Sidecar`
 over HTTP; library use needs no HTTP at all::
@@ -26,9 +24,7 @@ over HTTP; library use needs no HTTP at all::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import math
 import threading
 import time
 from pathlib import Path
@@ -38,13 +34,19 @@ import numpy as np
 
 from blocktune.kernels import is_power_of_two
 from blocktune.tuner.core.calibration import Calibration, calibration_for
+from blocktune.tuner.core.jsonable import to_jsonable
 from blocktune.tuner.core.policy import Policy
 from blocktune.tuner.core.selector import Decision, Selector
 from blocktune.tuner.core.window import LengthWindow, WindowSnapshot
-from blocktune.tuner.serving.http import log_event, token_from_env
-from blocktune.tuner.sidecar.actuators import SWAP_STATUSES, EngineActuator, HttpActuator
+from blocktune.tuner.operations import log_event, token_from_env
+from blocktune.tuner.sidecar.actuators import (
+    SWAP_STATUSES,
+    Actuation,
+    EngineActuator,
+    HttpActuator,
+)
 from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
-from blocktune.tuner.sidecar.scheduler import Collector
+from blocktune.tuner.sidecar.scheduler import DecisionScheduler
 from blocktune.tuner.sidecar.sources import (
     Observations,
     PollingSource,
@@ -58,7 +60,7 @@ from blocktune.tuner.sidecar.vllm_metrics import VllmMetricsSource
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine, FinishedRequest
 
-__all__ = ["PushDisabled", "Sidecar", "SidecarConfigError", "plain"]
+__all__ = ["PushDisabled", "Sidecar", "SidecarConfigError"]
 
 log = logging.getLogger("blocktune.sidecar")
 
@@ -71,38 +73,8 @@ class PushDisabled(ValueError):
     """Observations were pushed to a sidecar whose policy turns push off."""
 
 
-def plain(value: object) -> object:
-    """`value` with numpy scalars as Python numbers and NaN/inf as None (valid JSON)."""
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [plain(v) for v in value]
-    return value
-
-
-class _SelectorView:
-    """The selector as the collector sees it: decides against the block size the sidecar
-    knows to be in force, and records a switch only once the sidecar applied it."""
-
-    def __init__(self, sidecar: Sidecar) -> None:
-        self._sidecar = sidecar
-
-    def decide(self, snapshot: WindowSnapshot, _collector_block_size: int) -> Decision:
-        sidecar = self._sidecar
-        sidecar._decision_window = snapshot.summary()
-        return sidecar.selector.decide(snapshot, sidecar._refresh_current())
-
-    def record_switch(self, decision: Decision) -> None:
-        if self._sidecar._applied is decision:
-            self._sidecar.selector.record_switch(decision)
-
-
 class Sidecar:
-    """Sources -> length window -> collector/selector -> actuator, with its state on disk."""
+    """Sources -> length window -> scheduled selector decision -> actuator, state on disk."""
 
     def __init__(
         self,
@@ -126,13 +98,7 @@ class Sidecar:
             policy, calibration or calibration_for(policy, base), clock=time.time
         )
         self.actuator = self._actuator(policy, engine)
-        self.collector = Collector(
-            self.window,
-            _SelectorView(self),
-            self._on_decision,
-            policy,
-            block_size=policy.starting_block_size,
-        )
+        self.scheduler = DecisionScheduler(self._run_decision, policy.interval)
         self.sources: list[PollingSource] = []
         if policy.sources.vllm_metrics is not None:
             self.sources.append(
@@ -152,8 +118,6 @@ class Sidecar:
         self._decision: Decision | None = None
         self._body: dict | None = None  # the last decision as JSON, less the live fields
         self._actuation: dict | None = None
-        self._applied: Decision | None = None
-        self._decision_window: dict | None = None
         self._recommended: int | None = None
         self._logged_recommendation: int | None = None
         self._observations = 0
@@ -193,11 +157,6 @@ class Sidecar:
             return self._current
 
     @property
-    def last_decision(self) -> Decision | None:
-        with self._lock:
-            return self._decision
-
-    @property
     def last_actuation(self) -> dict | None:
         with self._lock:
             return self._actuation
@@ -209,7 +168,7 @@ class Sidecar:
             return
         self._started = True
         self._refresh_current()
-        self.collector.start()
+        self.scheduler.start()
         self._runner.start()
         log_event(
             log,
@@ -228,7 +187,7 @@ class Sidecar:
             return
         self._stopped = True
         self._runner.stop()
-        self.collector.stop(wait=True)
+        self.scheduler.stop(wait=True)
         self.save_state()
         if self.actuator is not None:
             self.actuator.close()
@@ -280,8 +239,8 @@ class Sidecar:
 
     # ------------------------------------------------------------------ decisions
     def decide(self) -> Decision | None:
-        """One collector run now: the decision, or None when the run failed."""
-        return self.collector.run_now()
+        """One decision run now: the decision, or None when the run failed."""
+        return self.scheduler.run_now()
 
     def _refresh_current(self) -> int:
         if self.actuator is not None:
@@ -292,10 +251,24 @@ class Sidecar:
         with self._lock:
             return self._current
 
-    def _on_decision(self, decision: Decision) -> None:
-        actuation = None
-        if decision.switch and self.enforcing:
+    def _run_decision(self) -> Decision:
+        """Snapshot, decide against the size in force, apply (enforce mode), record, save.
+
+        The selector records an applied switch before the state is saved, so a
+        restart sees its time for min_dwell.
+        """
+        snapshot = self.window.snapshot()
+        actuation: Actuation | None = None
+
+        def apply(decision: Decision) -> int:
+            nonlocal actuation
+            if not self.enforcing:
+                return decision.current_block_size
             actuation = self.actuator.apply(decision.block_size, decision.current_block_size)
+            done = actuation.status == "done"
+            return actuation.new_block_size if done else decision.current_block_size
+
+        decision, in_force = self.selector.step(snapshot, self._refresh_current(), apply)
         recommended = decision.block_size if decision.switch else decision.current_block_size
         with self._lock:
             self._decision = decision
@@ -304,20 +277,17 @@ class Sidecar:
                 self._actuation = actuation.to_dict()
                 self._swaps[actuation.status] += 1
                 if actuation.status == "done":
-                    self._current = actuation.new_block_size
-                    self._applied = decision
+                    self._current = in_force
             self._recommended = recommended
             current = self._current
-            self._body = self._decision_body(decision, recommended)
+            self._body = self._decision_body(decision, snapshot, recommended)
         fields = {"block_size": decision.block_size, "current_block_size": current}
         if actuation is not None:
             fields.update(swap=actuation.status, swap_reason=actuation.reason)
         log_event(log, "decision", switch=decision.switch, reason=decision.reason, **fields)
         self._log_recommendation(recommended, current)
-        if actuation is not None and actuation.status == "done":
-            # Before saving: a restart must see this switch's time for min_dwell.
-            self.selector.record_switch(decision)
         self.save_state()
+        return decision
 
     def _action(self, recommended: int, current: int) -> str | None:
         if recommended == current:
@@ -343,26 +313,15 @@ class Sidecar:
             action=self._action(recommended, current),
         )
 
-    def _decision_body(self, decision: Decision, recommended: int) -> dict:
-        seed = decision.seed_heuristic
-        return plain(
-            {
-                "block_size": decision.block_size,
-                "heuristic_block_size": decision.heuristic_block_size,
-                "recommended_block_size": recommended,
-                "switch": decision.switch,
-                "reason": decision.reason,
-                "decided_current_block_size": decision.current_block_size,
-                "samples": decision.samples,
-                "principled_block_tokens": decision.principled_block_tokens,
-                "seed_heuristic": None if seed is None else dataclasses.asdict(seed),
-                "predicted_gain_s": decision.predicted_gain_s,
-                "swap_cost_s": decision.swap_cost_s,
-                "candidates": [dataclasses.asdict(c) for c in decision.candidates],
-                "window": self._decision_window,
-                "decided_at": decision.decided_at,
-            }
-        )
+    @staticmethod
+    def _decision_body(decision: Decision, snapshot: WindowSnapshot, recommended: int) -> dict:
+        """The decision's JSON; its `current_block_size` (the size it was decided against)
+        becomes `decided_current_block_size`, since the live one is reported beside it."""
+        body = decision.to_dict()
+        body["decided_current_block_size"] = body.pop("current_block_size")
+        body["recommended_block_size"] = recommended
+        body["window"] = to_jsonable(snapshot.summary())
+        return body
 
     # ------------------------------------------------------------------ reports
     def recommendation(self) -> dict:
@@ -371,7 +330,7 @@ class Sidecar:
             body = self._body
             current = self._current
             actuation = self._actuation
-        job = self.collector.job
+        job = self.scheduler.job
         next_run = None if job is None or job.next_run_time is None else job.next_run_time
         out = {
             "deployment": self.policy.deployment,
@@ -392,12 +351,12 @@ class Sidecar:
 
     def window_stats(self) -> dict:
         """The window now: capacity, counts, length statistics and histogram."""
-        return plain({"capacity": self.window.capacity, **self.window.snapshot().summary()})
+        return to_jsonable({"capacity": self.window.capacity, **self.window.snapshot().summary()})
 
     def readiness(self) -> dict:
         """Ready when the scheduler runs and lengths can arrive (push or engine on, or every
         polled source's last poll succeeded)."""
-        scheduler = self.collector.running
+        scheduler = self.scheduler.running
         statuses = {name: status.to_dict() for name, status in self.statuses.items()}
         listening = self.policy.sources.push or self.engine is not None
         polled_ok = bool(self.sources) and all(s.status.last_ok for s in self.sources)
@@ -419,7 +378,7 @@ class Sidecar:
                 "swaps": dict(self._swaps) if self.actuator is not None else None,
             }
         out["window_requests"] = len(self.window)
-        out["collector_failures"] = self.collector.failures
+        out["decision_failures"] = self.scheduler.failures
         out["padding_ratio"] = (
             {} if decision is None else {c.block_size: c.padding_ratio for c in decision.candidates}
         )
@@ -473,18 +432,7 @@ class Sidecar:
         self._body = saved.recommendation
         self._actuation = saved.actuation
         if saved.last_switch_at is not None:
-            self.selector.record_switch(
-                Decision(
-                    block_size=saved.current_block_size,
-                    heuristic_block_size=saved.current_block_size,
-                    candidates=[],
-                    switch=True,
-                    reason="restored from the state file",
-                    current_block_size=saved.current_block_size,
-                    samples=0,
-                    decided_at=saved.last_switch_at,
-                )
-            )
+            self.selector.record_switch(saved.last_switch_at)
         log_event(
             log,
             "state_restored",

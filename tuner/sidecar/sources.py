@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, TypeA
 from pydantic import ValidationError as PydanticValidationError
 
 from blocktune.tuner.core.config_files import format_location
-from blocktune.tuner.serving.http import log_event
+from blocktune.tuner.operations import log_event
 
 __all__ = [
     "MAX_OBSERVATIONS",

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from blocktune.kernels import is_power_of_two
 from blocktune.tuner.core.config_files import format_location
-from blocktune.tuner.serving.http import log_event
+from blocktune.tuner.operations import log_event
 
 __all__ = ["STATE_VERSION", "SavedState", "SavedWindow", "StateFile"]
 

@@ -1,0 +1,158 @@
+"""The thread that owns an engine: thread-safe submit, cancel, swap and state.
+
+`EngineLoop` runs the engine's steps on one thread; callers (the HTTP worker,
+tests, tools) hand it completions, cancellations and block-size requests and
+get each outcome through a callback, so concurrent requests share the engine
+through continuous batching. It imports only the runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from blocktune.runtime.engine import Engine, RequestError, RequestOutput, SamplingParams
+
+__all__ = ["EngineLoop", "EngineStepFailed", "Job"]
+
+log = logging.getLogger("blocktune.engine_loop")
+
+
+@dataclass
+class Job:
+    """A completion handed to the engine thread; `done` is called once with the outcome."""
+
+    prompt: list[int]
+    params: SamplingParams
+    done: Callable[[RequestOutput | Exception], None]
+    request_id: int | None = None
+
+
+class EngineStepFailed(RuntimeError):
+    """The engine raised during a step; the requests in flight were dropped."""
+
+
+@dataclass
+class _Counters:
+    failed_steps: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    rejected: int = 0
+
+
+class EngineLoop:
+    """Runs the engine's steps on one thread; thread-safe submit, cancel, swap and state."""
+
+    def __init__(self, engine: Engine, idle_wait_s: float = 0.02) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[Job | tuple[str, object]] = queue.SimpleQueue()
+        self._jobs: dict[int, Job] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle_wait_s = idle_wait_s
+        self.counters = _Counters()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, prompt: list[int], params: SamplingParams, done) -> Job:
+        job = Job(prompt, params, done)
+        self._inbox.put(job)
+        self._wake.set()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        self._inbox.put(("cancel", job))
+        self._wake.set()
+
+    def request_block_size(self, block_size: int):
+        ticket = self.engine.request_block_size(block_size)
+        self._wake.set()
+        return ticket
+
+    def state(self) -> dict:
+        with self._lock:
+            stats = self.engine.stats()
+            history = [r.to_dict() for r in self.engine.swap_history]
+        return {
+            **stats,
+            "completed": self.counters.completed,
+            "cancelled": self.counters.cancelled,
+            "rejected": self.counters.rejected,
+            "failed_steps": self.counters.failed_steps,
+            "swap_history": history,
+        }
+
+    def check(self) -> None:
+        """Assert the engine's bookkeeping invariants (between steps)."""
+        with self._lock:
+            self.engine.blocks.check()
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox()
+            with self._lock:
+                busy = self.engine.has_unfinished() or self.engine.has_pending_swaps()
+                if busy:
+                    outputs = self._step()
+            if not busy:
+                self._wake.wait(self._idle_wait_s)
+                self._wake.clear()
+                continue
+            for output in outputs:
+                if output.finished:
+                    job = self._jobs.pop(output.request_id, None)
+                    if job is not None:
+                        self.counters.completed += 1
+                        job.done(output)
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step (lock held). A step that raises fails every request in flight,
+        so nobody waits forever, and the loop keeps serving new ones."""
+        try:
+            outputs = self.engine.step()
+        except Exception as error:
+            log.exception("engine step failed; failing the %d requests in flight", len(self._jobs))
+            failure = EngineStepFailed(f"engine step failed: {type(error).__name__}: {error}")
+            for request_id, job in list(self._jobs.items()):
+                with contextlib.suppress(Exception):
+                    self.engine.cancel(request_id)
+                job.done(failure)
+            self._jobs.clear()
+            self.counters.failed_steps += 1
+            outputs = []
+        return outputs
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Job):
+                try:
+                    with self._lock:
+                        item.request_id = self.engine.add_request(item.prompt, item.params)
+                except RequestError as error:
+                    self.counters.rejected += 1
+                    item.done(error)
+                    continue
+                self._jobs[item.request_id] = item
+            else:
+                _, job = item
+                if job.request_id is not None and self._jobs.pop(job.request_id, None):
+                    with self._lock:
+                        self.engine.cancel(job.request_id)
+                    self.counters.cancelled += 1
