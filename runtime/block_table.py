@@ -4,7 +4,7 @@ The host mirror (`int32[max_seqs, max_blocks_per_seq]`, numpy) is edited by the
 engine as sequences grow; `sync()` uploads only the rows that changed, in one
 transfer (from pinned memory, non-blocking, on CUDA). The kernel never sees a
 partially written table and the host never reads the device one element by
-element (DESIGN.md key idea 2).
+element (docs/architecture.md, "Host bookkeeping, device table").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Changing the KV block size of a running engine: plan, prepare, commit.
 
-The pool is a flat slot array, so a block size is only a view (DESIGN.md key
-idea 1). With k = new/old (or old/new):
+The pool is a flat slot array, so a block size is only a view
+(docs/architecture.md, "The KV pool is a flat slot array"). With k = new/old (or old/new):
 
 - **shrink** B -> B/k: old block i becomes new blocks k*i ... k*i+k-1. Nothing
   moves; only the bookkeeping and the block table are rebuilt.

@@ -1,10 +1,11 @@
 """The KV pool: per layer, K and V as flat token-slot tensors.
 
 A block of size B with id j is slots `[j*B, (j+1)*B)`, so the block size is
-only a view of the same memory (DESIGN.md key idea 1): `view(layer, B)` gives
+only a view of the same memory (docs/architecture.md, "The KV pool is a flat
+slot array"): `view(layer, B)` gives
 `[num_slots // B, B, num_kv_heads, head_dim]` without copying.
 
-Memory (the seed's formula omits layers and GQA):
+Memory (the source article's formula omits layers and GQA):
 
     KV bytes = 2 (K and V) x num_layers x num_kv_heads x head_dim x dtype_bytes x slots
 """

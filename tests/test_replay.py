@@ -133,7 +133,7 @@ def test_a_grow_is_charged_its_pause():
 
 
 def test_the_seeds_peak_memory_claim_as_measured(day_report, capsys):
-    """The seed claims -19% peak memory from adaptive sizing against a fixed 16. On the
+    """The source article claims -19% peak memory from adaptive sizing against a fixed 16. On the
     embedded day the peak falls in the daytime mix, where the tuner keeps 16, so the
     measured change is far smaller than claimed."""
     ratios = comparisons(day_report)
@@ -198,4 +198,4 @@ def test_azure_conversation_trace_replays_under_every_policy():
         assert result.generated_tokens == int(frame.output_tokens.sum())
         assert oracle <= result.objective * (1 + 1e-12)
     padding = [report.result(static_name(b)).padding_ratio for b in policy.candidates]
-    assert padding[0] < 0.01  # long prompts: under 1% padding at B=16 (DESIGN.md)
+    assert padding[0] < 0.01  # long prompts: under 1% padding at B=16 (docs/architecture.md)

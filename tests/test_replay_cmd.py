@@ -37,7 +37,7 @@ def test_embedded_day_table_report_and_plots(capsys, tmp_path, policy_file):
     assert lines[3].split()[:3] == ["policy", "B", "tok/s"]
     assert [line.split()[0] for line in lines[5:11]] == list(POLICIES)
     assert "adaptive / oracle objective:" in printed
-    assert "peak KV" in printed and "the seed claims -19% peak memory" in printed
+    assert "peak KV" in printed and "the source article claims -19% peak memory" in printed
     assert "adaptive: starts at B=16" in printed
     report = json.loads((out / "report.json").read_text())
     assert report == json.loads(extra.read_text())

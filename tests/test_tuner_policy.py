@@ -163,3 +163,21 @@ def test_policy_check_command(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert [line.split(": ")[1] for line in out] == ["model.dtype", "mode", "candidates"]
     assert "block sizes [4]" in out[2]
+
+
+def test_bundled_policies_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    from blocktune.tuner.core.policy import bundled_policies, policy_path
+
+    monkeypatch.chdir(tmp_path)
+    assert set(bundled_policies()) == {"default", "long_document", "customer_service_llama8b"}
+    assert load_policy().deployment == load_policy(POLICIES / "default.yaml").deployment
+    named = load_policy("customer_service_llama8b")
+    assert named == load_policy(POLICIES / "customer_service_llama8b.yaml")
+    assert policy_path("long_document.yaml") == POLICIES / "long_document.yaml"
+    # A file in the working directory wins over a bundled policy of the same name.
+    (tmp_path / "default.yaml").write_text(
+        (POLICIES / "default.yaml").read_text().replace("deployment: ", "deployment: local-")
+    )
+    assert load_policy("default.yaml").deployment.startswith("local-")
+    with pytest.raises(ConfigError, match="no bundled policy of that name .*default"):
+        load_policy("nope")

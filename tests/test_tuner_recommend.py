@@ -72,7 +72,7 @@ def test_table_lists_every_candidate_and_the_choice(capsys, policy_file):
     rows = [line for line in out.splitlines() if line[:6].strip().lstrip("* ").isdigit()]
     assert [int(row[:6].strip(" *")) for row in rows] == list(policy.candidates)
     assert sum(row.startswith("*") for row in rows) == 1
-    assert "seed's rule" in out and "prior: B*" in out
+    assert "article's rule" in out and "prior: B*" in out
 
 
 def test_bad_requests_exit_2_with_a_message(capsys, tmp_path, policy_file):

@@ -51,7 +51,7 @@ def test_the_seed_story_daytime_mix_16_promotion_burst_8():
     promo = selector.decide(phase_window("promo"), 16)
     assert promo.block_size == 8 and promo.switch  # a shrink moves no data
     assert promo.swap_cost_s == 0.0 and promo.predicted_gain_s > 0
-    # The measured choice agrees with the principled prior; the seed's rule is clamped.
+    # The measured choice agrees with the principled prior; the article's rule is clamped.
     assert (day.prior_block_size, promo.prior_block_size) == (16, 8)
     assert day.article_heuristic.tokens < 1 and day.article_heuristic.block_size == 8
     # Why: padding costs concurrency (weights term) and small blocks cost block-table work.

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SYNTHETIC",
+    "add_engine_arguments",
     "add_load_arguments",
     "load_from_args",
     "load_policy_and_calibration",
@@ -108,3 +109,30 @@ def load_policy_and_calibration(name_or_path: str) -> tuple[Policy, Calibration]
     path = policy_path(name_or_path)
     policy = load_policy(path)
     return policy, calibration_for(policy, Path(path).parent)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) -> None:
+    """The model and engine flags that `generate` and `worker` share."""
+    from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
+
+    parser.add_argument(
+        "--model", default="tiny-random", help="tiny-random or a local Llama folder"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of tiny-random weights")
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="initial KV block size in tokens (default: %(default)s)",
+    )
+    parser.add_argument("--backend", choices=("torch", "triton"), default="torch")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=max_num_seqs,
+        help="batch rows (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=2048, help="tokens per sequence (default: 2048)"
+    )

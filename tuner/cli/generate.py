@@ -7,6 +7,9 @@ import json
 import sys
 from pathlib import Path
 
+from blocktune.tuner.cli._common import add_engine_arguments
+from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES
+
 __all__ = ["read_prompts", "register"]
 
 
@@ -74,7 +77,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 max_model_len=args.max_model_len,
                 attention_backend=args.backend,
                 candidate_block_sizes=tuple(
-                    sorted({args.block_size, 8, 16, 32, 64, 128} | {b for _, b in args.swap_at})
+                    sorted({args.block_size, *DEFAULT_CANDIDATES} | {b for _, b in args.swap_at})
                 ),
             ),
         )
@@ -144,17 +147,9 @@ def register(commands: argparse._SubParsersAction) -> None:
             'line: {"prompt_ids": [...], "max_tokens": n} (optional temperature, top_p, seed).'
         ),
     )
-    parser.add_argument(
-        "--model", default="tiny-random", help="tiny-random or a local Llama folder"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of tiny-random weights")
-    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    add_engine_arguments(parser, max_num_seqs=32)
     parser.add_argument("--prompts", type=Path, required=True, help="JSONL file of prompts")
-    parser.add_argument("--backend", choices=("torch", "triton"), default="torch")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV pool size in blocks")
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="batch rows")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per sequence")
     parser.add_argument(
         "--swap-at",
         type=parse_swap,

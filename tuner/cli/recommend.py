@@ -2,8 +2,8 @@
 
 The trace's requests (all of them, or the last `--last N`) fill a length
 window; the selector prices each candidate with the policy's calibration and
-prints every cost term, the choice, the principled prior and the seed's sqrt
-rule, or the same as JSON with `--json`.
+prints every cost term, the choice, the principled prior and the source
+article's sqrt rule, or the same as JSON with `--json`.
 """
 
 from __future__ import annotations
@@ -72,12 +72,12 @@ def format_decision_table(decision: Decision, snapshot: WindowSnapshot) -> str:
             f"prior: B* = sqrt(2 c_block l / c_pad) = {decision.principled_block_tokens:.1f} "
             f"tokens -> {decision.prior_block_size}"
         )
-    seed = decision.article_heuristic
-    if seed is not None:
+    article = decision.article_heuristic
+    if article is not None:
         lines.append(
-            f"seed's rule: sqrt({seed.length_tokens:.0f} x {seed.bytes_per_token} B) = "
-            f"{seed.value_sqrt_token_bytes:.0f} sqrt(token*byte) -> {seed.tokens:.3f} tokens "
-            f"-> {seed.block_size} (clamped to the candidates)"
+            f"article's rule: sqrt({article.length_tokens:.0f} x {article.bytes_per_token} B) = "
+            f"{article.value_sqrt_token_bytes:.0f} sqrt(token*byte) -> {article.tokens:.3f} "
+            f"tokens -> {article.block_size} (clamped to the candidates)"
         )
     lines.append(f"against the current B={decision.current_block_size}: {decision.reason}")
     return "\n".join(lines)

@@ -13,16 +13,13 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the policy, refuse unsafe binds, serve; on SIGTERM/SIGINT stop accepting, stop the
     scheduler, save the state and exit 0."""
     import logging
-    import signal
-
-    import uvicorn
 
     from blocktune.tuner.core.calibration import CalibrationError
     from blocktune.tuner.core.config_files import ConfigError
     from blocktune.tuner.core.policy import load_policy, policy_path
     from blocktune.tuner.operations import log_event, token_from_env
     from blocktune.tuner.serving.http import InsecureBind, check_bind
-    from blocktune.tuner.serving.sidecar_app import create_sidecar_app
+    from blocktune.tuner.serving.sidecar_app import serve_sidecar
     from blocktune.tuner.sidecar.sidecar import Sidecar
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -50,24 +47,10 @@ def run_serve(args: argparse.Namespace) -> int:
     except (InsecureBind, ConfigError, CalibrationError, ValueError) as error:
         print(f"blocktune serve: {error}", file=sys.stderr)
         return 2
-    app = create_sidecar_app(sidecar, token=token)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
     log = logging.getLogger("blocktune.sidecar")
     log_event(log, "serving", host=host, port=port, state_file=state_file, auth=token is not None)
-    # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for
-    # the handlers it found; these keep that second delivery from killing the process.
-    previous = {sig: signal.signal(sig, _shutdown_done) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        uvicorn.Server(config).run()
-    finally:
-        sidecar.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    serve_sidecar(sidecar, host=host, port=port, token=token)
     return 0
-
-
-def _shutdown_done(_signum: int, _frame: object) -> None:
-    """The signal was handled by uvicorn's graceful shutdown already."""
 
 
 def _port(text: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from blocktune.tuner.cli._common import add_engine_arguments
 from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES, DEFAULT_TOKEN_ENV
 
 __all__ = ["register"]
@@ -39,15 +40,13 @@ def run_worker(args: argparse.Namespace) -> int:
     """Load the model, start the engine loop and serve until SIGINT/SIGTERM."""
     import logging
 
-    import uvicorn
-
     from blocktune.runtime.engine import Engine, EngineConfig
     from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.model import ModelLoadError, load_model
     from blocktune.tuner.core.config_files import ConfigError
     from blocktune.tuner.operations import token_from_env
     from blocktune.tuner.serving.http import InsecureBind, check_bind
-    from blocktune.tuner.serving.worker_app import LengthPusher, create_worker_app
+    from blocktune.tuner.serving.worker_app import LengthPusher, serve_worker
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -79,14 +78,7 @@ def run_worker(args: argparse.Namespace) -> int:
         pusher = LengthPusher(args.sidecar, token_from_env(args.sidecar_token_env))
         engine.add_listener(pusher.observe)
         pusher.start()
-    loop.start()
-    app = create_worker_app(loop, token=token, pusher=pusher)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    finally:
-        loop.stop()
-        if pusher is not None:
-            pusher.stop()
+    serve_worker(loop, host=args.host, port=args.port, token=token, pusher=pusher)
     return 0
 
 
@@ -102,11 +94,9 @@ def register(commands: argparse._SubParsersAction) -> None:
             "to a blocktune sidecar."
         ),
     )
-    parser.add_argument("--model", default="tiny-random", help="tiny-random or a Llama folder")
-    parser.add_argument("--seed", type=int, default=0, help="seed of tiny-random weights")
+    add_engine_arguments(parser, max_num_seqs=64)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    parser.add_argument("--block-size", type=int, default=16, help="initial KV block size")
     parser.add_argument(
         "--policy",
         default=None,
@@ -124,10 +114,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--kv-bytes", type=parse_bytes, default=64 * 2**20, help="KV pool size (default 64MiB)"
     )
-    parser.add_argument("--max-num-seqs", type=int, default=64, help="batch rows")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="tokens per sequence")
-    parser.add_argument("--backend", choices=("torch", "triton"), default="torch")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
     parser.add_argument(
         "--token-env",

@@ -30,11 +30,11 @@ step's weight read. The per-block attention cost falls as B grows, padding
 rises, so J has an interior optimum; with c_block = L * per_block [s/block per
 token] and c_pad = (W / bw) * s / budget [s/slot per token], minimising
 c_block * l / B + c_pad * B / 2 gives the principled prior
-B* = sqrt(2 * c_block * l / c_pad) tokens (DESIGN.md, "Seed corrections").
+B* = sqrt(2 * c_block * l / c_pad) tokens (docs/architecture.md, "The objective").
 
-The seed's heuristic sqrt(length * head_dim * heads * 2 * dtype_bytes) is also
+The source article's heuristic sqrt(length * head_dim * heads * 2 * dtype_bytes) is also
 computed, exactly as stated: with length in tokens and the rest in bytes per
-token, its value has units sqrt(token * byte); the seed divides it by the bytes
+token, its value has units sqrt(token * byte); the article divides it by the bytes
 per token (head_dim * heads * 2 * dtype_bytes) to get "tokens", i.e.
 sqrt(length / bytes_per_token) tokens, which is below one token for any real
 model (0.17 for its own example, whose value is sqrt(500*128*32*2*2) = 2862,
@@ -92,7 +92,7 @@ def block_steps(prompts: np.ndarray, outputs: np.ndarray, block_size: int) -> np
 
 @dataclass(frozen=True)
 class ArticleHeuristic:
-    """The seed's sqrt rule as stated, and its conversion to a token count."""
+    """The source article's sqrt rule as stated, and its conversion to a token count."""
 
     length_tokens: float
     value_sqrt_token_bytes: float
@@ -110,7 +110,7 @@ def article_heuristic(
     candidates: tuple[int, ...],
 ) -> ArticleHeuristic:
     """sqrt(length x head_dim x heads x 2 x dtype_bytes), divided by the bytes per token of
-    that product (head_dim x heads x 2 x dtype_bytes) as the seed does, then the nearest
+    that product (head_dim x heads x 2 x dtype_bytes) as the article does, then the nearest
     candidate power of two."""
     bytes_per_token = head_dim * num_heads * 2 * dtype_bytes
     value = math.sqrt(length_tokens * bytes_per_token)
@@ -259,7 +259,7 @@ class CostModel:
         return optimum, nearest_power_of_two(optimum, self.policy.candidates)
 
     def article_heuristic(self, length_tokens: float) -> ArticleHeuristic:
-        """The seed's rule for this policy's model (query heads, as the seed states it)."""
+        """The article's rule for this policy's model (query heads, as the article states it)."""
         model = self.policy.model
         return article_heuristic(
             length_tokens,

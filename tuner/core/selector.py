@@ -169,7 +169,7 @@ class Selector:
             )
         mean_context = float((prompts * outputs + outputs * (outputs + 1) / 2).sum() / generated)
         optimum, prior = model.principled_block_size(mean_context)
-        seed = model.article_heuristic(float(snapshot.total.median))
+        article = model.article_heuristic(float(snapshot.total.median))
         # A size in force that the calibration cannot price (e.g. reported by vLLM) is left
         # out: the cheapest candidate then wins without a gain-versus-cost test.
         calibrated = current in model.calibration.block_sizes
@@ -177,7 +177,7 @@ class Selector:
         costs = model.costs(
             prompts, outputs, shared_prefixes=snapshot.shared_prefixes, block_sizes=priced
         )
-        base.update(principled_block_tokens=optimum, article_heuristic=seed)
+        base.update(principled_block_tokens=optimum, article_heuristic=article)
         if snapshot.count < policy.window.min_samples:
             return Decision(
                 block_size=prior,

@@ -125,6 +125,6 @@ def format_replay_table(report: ReplayReport) -> str:
         lines.append(
             f"adaptive / static-16: objective {ratios['adaptive_vs_static16_objective']:.4f}, "
             f"tokens/s {ratios['adaptive_vs_static16_tokens_per_s']:.4f}, "
-            f"peak KV {peak:+.1%} (the seed claims -19% peak memory)"
+            f"peak KV {peak:+.1%} (the source article claims -19% peak memory)"
         )
     return "\n".join(lines)

@@ -31,7 +31,7 @@ import pandas as pd
 import yaml
 
 from blocktune.traces.synth import Phase, customer_service_day
-from blocktune.tuner.core.defaults import DEFAULT_POLICY
+from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_POLICY
 from blocktune.tuner.core.policy import policy_path
 
 __all__ = ["ClosedLoopReport", "demo_policy", "demo_workload", "run_closed_loop"]
@@ -215,9 +215,6 @@ def run_closed_loop(
     With `restart_sidecar_at_s`, the sidecar is stopped (SIGTERM) at that time and
     started again on the same state file while traffic continues.
     """
-    from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
-    from blocktune.runtime.model import load_model
-
     workload = demo_workload(seed, duration_s, rate_per_s)
     report = ClosedLoopReport(requests=len(workload))
     token = secrets.token_urlsafe(24)
@@ -233,8 +230,8 @@ def run_closed_loop(
         policy_path.write_text(yaml.safe_dump(demo_policy(worker_url, interval_s)))
         worker_args = [
             *cli, "worker", "--port", worker_url.rsplit(":", 1)[1], "--seed", str(seed),
-            "--block-size", "16", "--kv-bytes", kv_bytes, "--token-env", TOKEN_ENV,
-            "--sidecar", sidecar_url, "--sidecar-token-env", TOKEN_ENV,
+            "--block-size", str(DEFAULT_BLOCK_SIZE), "--kv-bytes", kv_bytes,
+            "--token-env", TOKEN_ENV, "--sidecar", sidecar_url, "--sidecar-token-env", TOKEN_ENV,
         ]  # fmt: skip
         sidecar_args = [
             *cli, "serve", "--policy", str(policy_path), "--port", sidecar_url.rsplit(":", 1)[1],
@@ -281,10 +278,19 @@ def run_closed_loop(
         f"{report.swaps_done} swaps ({', '.join(_swap_text(s) for s in report.swaps) or 'none'}), "
         f"{report.idle_blocks_used} blocks in use when idle"
     )
+    _verify(workload, report, seed, out)
+    return report
+
+
+def _verify(workload: pd.DataFrame, report: ClosedLoopReport, seed: int, out) -> None:
+    """Count the completions identical to an engine that never swaps."""
+    from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+    from blocktune.runtime.model import load_model
+
     out("verifying every completion against an engine that never swaps ...")
     engine = Engine(
         load_model("tiny-random", seed=seed),
-        EngineConfig(block_size=16, num_blocks=8192, max_num_seqs=64),
+        EngineConfig(block_size=DEFAULT_BLOCK_SIZE, num_blocks=8192, max_num_seqs=64),
     )
     expected = engine.generate(
         list(workload.prompt_ids),
@@ -295,7 +301,6 @@ def run_closed_loop(
             report.verified += 1
             report.identical += report.completions[index] == output.token_ids
     out(f"{report.identical}/{report.requests} completions identical to the run without swaps")
-    return report
 
 
 def _window_count(sidecar_url: str) -> int:

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -37,7 +39,7 @@ from blocktune.tuner.sidecar.sources import (
     TooManyObservations,
 )
 
-__all__ = ["create_sidecar_app"]
+__all__ = ["create_sidecar_app", "serve_sidecar"]
 
 
 def _observations_body() -> dict:
@@ -192,3 +194,22 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
         return _json(readiness, 200 if readiness["ready"] else 503)
 
     return app
+
+
+def serve_sidecar(sidecar: Sidecar, *, host: str, port: int, token: str | None) -> None:
+    """Serve `sidecar` with uvicorn until SIGTERM/SIGINT, then stop it (which saves state)."""
+    app = create_sidecar_app(sidecar, token=token)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for
+    # the handlers it found; these keep that second delivery from killing the process.
+    previous = {sig: signal.signal(sig, _shutdown_done) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        sidecar.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _shutdown_done(_signum: int, _frame: object) -> None:
+    """The signal was handled by uvicorn's graceful shutdown already."""

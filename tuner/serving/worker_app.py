@@ -17,6 +17,7 @@ import time
 from collections import deque
 
 import httpx
+import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -34,7 +35,7 @@ from blocktune.runtime.hot_swap import SwapResult
 from blocktune.tuner.operations import log_event
 from blocktune.tuner.serving.http import BearerAuth, BodyLimit
 
-__all__ = ["CompletionRequest", "LengthPusher", "create_worker_app"]
+__all__ = ["CompletionRequest", "LengthPusher", "create_worker_app", "serve_worker"]
 
 log = logging.getLogger("blocktune.worker")
 
@@ -281,3 +282,17 @@ def create_worker_app(
         return {"status": "ok"}
 
     return app
+
+
+def serve_worker(
+    loop: EngineLoop, *, host: str, port: int, token: str | None, pusher: LengthPusher | None
+) -> None:
+    """Start `loop` and serve it with uvicorn until SIGINT/SIGTERM, then stop both threads."""
+    loop.start()
+    app = create_worker_app(loop, token=token, pusher=pusher)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        loop.stop()
+        if pusher is not None:
+            pusher.stop()
