@@ -23,7 +23,7 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -71,13 +71,14 @@ class EngineConfig:
 
     Give the pool as `num_blocks` (at `block_size`) or as `kv_bytes`; the pool
     is a fixed number of token slots, so a later block-size change keeps it.
+    `max_model_len` defaults to the model's `max_position_embeddings`.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_bytes: int | None = None
     max_num_seqs: int = 32
-    max_model_len: int = 2048
+    max_model_len: int | None = None
     attention_backend: str = "torch"
     enable_prefix_caching: bool = False
     candidate_block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)
@@ -91,7 +92,7 @@ class EngineConfig:
                 f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}"
             )
         for name in ("max_num_seqs", "max_model_len"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         bad = [b for b in self.candidate_block_sizes if not is_power_of_two(b)]
         if bad:
@@ -105,13 +106,17 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens: greedy at temperature 0, else top-p sampling from a seeded generator."""
+    """How to pick tokens: greedy at temperature 0, else top-p sampling from a seeded generator.
+
+    A request stops at any of `stop_token_ids` and, unless `ignore_eos`, at the model's EOS ids.
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,8 @@ class Engine:
     """Serves requests step by step on a paged KV cache shared by all of them."""
 
     def __init__(self, model: LlamaModel, config: EngineConfig) -> None:
+        if config.max_model_len is None:
+            config = replace(config, max_model_len=model.config.max_position_embeddings)
         if config.max_model_len > model.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's "
@@ -529,7 +536,9 @@ class Engine:
         request.output.append(token)
         params = request.params
         reason = None
-        if token in params.stop_token_ids:
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.model.config.eos_token_ids
+        ):
             reason = "stop"
         elif len(request.output) >= params.max_tokens or (
             len(request.prompt) + len(request.output) >= self.config.max_model_len

@@ -1,9 +1,10 @@
 """A Llama-architecture decoder that reads and writes a paged KV cache.
 
 RMSNorm, rotary position embeddings (`rope_theta`, the half-split layout of
-Hugging Face checkpoints), grouped-query attention, a SwiGLU MLP and optionally
-tied embeddings. Parameter names follow the Hugging Face Llama checkpoint
-layout, so `*.safetensors` weights load directly.
+Hugging Face checkpoints, optionally Llama-3's frequency scaling), grouped-query
+attention, a SwiGLU MLP and optionally tied embeddings. Parameter names follow
+the Hugging Face Llama checkpoint layout; `blocktune.runtime.loading` reads
+checkpoints into it.
 
 Three ways through the layers:
 
@@ -18,7 +19,6 @@ Three ways through the layers:
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,11 +31,46 @@ from blocktune.kernels.cache_ops import write_kv
 from blocktune.kernels.paged_attention import paged_attention
 from blocktune.runtime.kv_cache import KVCache
 
-__all__ = ["LlamaModel", "ModelConfig", "ModelLoadError", "load_model"]
+__all__ = [
+    "Llama3RopeScaling",
+    "LlamaModel",
+    "ModelConfig",
+    "ModelLoadError",
+    "UnsupportedModelError",
+    "load_model",
+]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # Mistral only without a sliding window
 
 
 class ModelLoadError(ValueError):
     """A model directory or config that cannot be loaded (names the file and the problem)."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """A checkpoint whose architecture or option this model code does not implement
+    (names the file and the key)."""
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3's rotary scaling (`rope_type: llama3`): long wavelengths are stretched by
+    `factor`, short ones kept, and those between blended."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+    def rescale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Scaled inverse frequencies for unscaled `inv_freq`."""
+        # How many times each frequency's wavelength fits in the original context: below
+        # low_freq_factor the frequency is divided by `factor`, above high_freq_factor it is
+        # kept, and in between the two are mixed linearly in this ratio.
+        ratio = self.original_max_position_embeddings * inv_freq / (2 * math.pi)
+        span = self.high_freq_factor - self.low_freq_factor
+        keep = ((ratio - self.low_freq_factor) / span).clamp(0.0, 1.0)
+        return inv_freq * (keep + (1 - keep) / self.factor)
 
 
 @dataclass(frozen=True)
@@ -53,6 +88,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    rope_scaling: Llama3RopeScaling | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -77,20 +114,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, config: dict, source: str = "config.json") -> ModelConfig:
-        """Read a Hugging Face Llama `config.json` dictionary."""
-        # Older configs keep rope_theta at the top level (and rope_scaling for variants);
-        # newer ones put both in rope_parameters.
-        rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ModelLoadError(f"{source}: rope scaling {rope!r} is not supported")
-        for flag in ("attention_bias", "mlp_bias"):
-            if config.get(flag):
-                raise ModelLoadError(f"{source}: {flag}=true is not supported")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"{source}: hidden_act {config['hidden_act']!r} is not silu")
+        """Read a Hugging Face Llama (or window-less Mistral) `config.json` dictionary;
+        `UnsupportedModelError` for anything the model code does not implement."""
+        refuse_unsupported(config, source)
         try:
             num_heads = int(config["num_attention_heads"])
             hidden = int(config["hidden_size"])
+            rope_theta, rope_scaling = read_rope(config, source)
             return cls(
                 vocab_size=int(config["vocab_size"]),
                 hidden_size=hidden,
@@ -99,13 +129,77 @@ class ModelConfig:
                 num_heads=num_heads,
                 num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
                 head_dim=int(config.get("head_dim") or hidden // num_heads),
-                rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
+                rope_theta=rope_theta,
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+                rope_scaling=rope_scaling,
+                eos_token_ids=token_ids(config.get("eos_token_id")),
             )
         except KeyError as missing:
             raise ModelLoadError(f"{source}: missing key {missing}") from None
+
+
+def refuse_unsupported(config: dict, source: str) -> None:
+    """Raise `UnsupportedModelError` for an architecture or option the model code lacks."""
+    if "model_type" not in config:
+        raise ModelLoadError(f"{source}: missing key 'model_type'")
+    model_type = config["model_type"]
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if config.get("sliding_window") is not None:
+        raise UnsupportedModelError(
+            f"{source}: sliding_window={config['sliding_window']} is not supported "
+            "(only full causal attention is implemented)"
+        )
+    for flag in ("attention_bias", "mlp_bias"):
+        if config.get(flag):
+            raise UnsupportedModelError(f"{source}: {flag}=true is not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(
+            f"{source}: hidden_act {config['hidden_act']!r} is not supported (only silu)"
+        )
+    if config.get("quantization_config"):
+        raise UnsupportedModelError(f"{source}: quantization_config is not supported")
+
+
+def read_rope(config: dict, source: str) -> tuple[float, Llama3RopeScaling | None]:
+    """`(rope_theta, scaling)` from a config; only default and llama3 rope are implemented."""
+    # Older configs keep rope_theta at the top level and variants in rope_scaling; newer
+    # ones put both in rope_parameters.
+    key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+    rope = config.get(key) or {}
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10_000.0)))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedModelError(f"{source}: {key}.partial_rotary_factor is not supported")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise UnsupportedModelError(
+            f"{source}: {key}.rope_type {kind!r} is not supported (default, llama3)"
+        )
+    scaling = Llama3RopeScaling(
+        factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            rope.get("original_max_position_embeddings") or config["max_position_embeddings"]
+        ),
+    )
+    if not scaling.high_freq_factor > scaling.low_freq_factor:
+        raise ModelLoadError(f"{source}: {key}.high_freq_factor must exceed low_freq_factor")
+    return theta, scaling
+
+
+def token_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    """A config's `eos_token_id` (one id, a list or absent) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
 
 
 class RMSNorm(nn.Module):
@@ -122,10 +216,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def rope_frequencies(config: ModelConfig, device: torch.device) -> torch.Tensor:
+    """The rotary inverse frequencies `[head_dim / 2]` in fp32, scaled if the config says so."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, device=device).float() / dim))
+    if config.rope_scaling is None:
+        return inv_freq
+    return config.rope_scaling.rescale(inv_freq)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Apply rotary embeddings to `x [tokens, heads, head_dim]` at `positions [tokens]`."""
     dim = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=x.device).float() / dim))
     angles = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
@@ -158,7 +260,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)
         k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        q, k = rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta)
+        inv_freq = rope_frequencies(c, x.device)
+        q, k = rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
         return self.o_proj(attend(layer, q, k, v).reshape(x.shape[0], -1))
 
 
@@ -311,57 +414,14 @@ class LlamaModel(nn.Module):
         return self.lm_head(self._run(token_ids, positions, attend)).float()
 
 
-def _init_random(model: LlamaModel, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-
-
 def load_model(
     source: str | Path = "tiny-random",
     *,
     seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
 ) -> LlamaModel:
-    """`tiny-random` (seeded random weights) or a local directory with config.json and
-    `*.safetensors` (no downloads)."""
-    if str(source) == "tiny-random":
-        model = LlamaModel(ModelConfig.tiny())
-        _init_random(model, seed)
-        return model.to(dtype=dtype, device=device).eval()
-    directory = Path(source)
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"{config_path}: not found (expected a Hugging Face model folder)")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as error:
-        raise ModelLoadError(f"{config_path}: invalid JSON ({error})") from None
-    config = ModelConfig.from_hf_dict(raw, str(config_path))
-    weight_files = sorted(directory.glob("*.safetensors"))
-    if not weight_files:
-        raise ModelLoadError(f"{directory}: no *.safetensors weight files")
-    from safetensors.torch import load_file
+    """The model alone (no tokenizer); see `blocktune.runtime.loading.load_pretrained`."""
+    from blocktune.runtime.loading import load_weights
 
-    state: dict[str, torch.Tensor] = {}
-    for path in weight_files:
-        state.update(load_file(str(path)))
-    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
-    if config.tie_word_embeddings:
-        state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
-    model = LlamaModel(config)
-    expected = set(model.state_dict())
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(state.keys() - expected)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{directory}: weights do not match the config: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    model.load_state_dict(state)
-    return model.to(dtype=dtype, device=device).eval()
+    return load_weights(source, seed=seed, dtype=dtype, device=device)

@@ -1,6 +1,7 @@
 """The continuous-batching engine: exact tokens across block sizes, preemption, cancellation."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from blocktune.runtime.engine import (
     RequestTooLarge,
     SamplingParams,
 )
-from blocktune.runtime.model import load_model
+from blocktune.runtime.model import LlamaModel, load_model
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +123,19 @@ def test_stop_tokens_and_seeded_sampling_are_deterministic(model):
         runs.append(engine.generate([prompt, prompt], sampled))
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
     assert runs[0][0].token_ids == runs[0][1].token_ids
+
+
+def test_the_models_eos_ids_stop_every_request_unless_ignored(model):
+    prompts = _prompts(3, seed=6)
+    greedy, _ = _run(model, prompts, max_tokens=10, block_size=16)
+    eos = greedy[0][4]
+    with_eos = LlamaModel(replace(model.config, eos_token_ids=(eos,)))
+    with_eos.load_state_dict(model.state_dict())
+    stopped, engine = _run(with_eos, prompts, max_tokens=10, block_size=16)
+    assert stopped == [g[: g.index(eos) + 1] if eos in g else g for g in greedy]
+    assert stopped[0] == greedy[0][: greedy[0].index(eos) + 1]
+    [ignored] = engine.generate([prompts[0]], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert (ignored.token_ids, ignored.finish_reason) == (greedy[0], "length")
 
 
 @pytest.mark.parametrize(

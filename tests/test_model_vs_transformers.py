@@ -64,5 +64,8 @@ def test_loader_errors_name_the_file(tmp_path):
     with pytest.raises(ModelLoadError, match="invalid JSON"):
         load_model(tmp_path)
     (tmp_path / "config.json").write_text('{"vocab_size": 10}')
+    with pytest.raises(ModelLoadError, match="config.json: missing key 'model_type'"):
+        load_model(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 10}')
     with pytest.raises(ModelLoadError, match="config.json: missing key 'num_attention_heads'"):
         load_model(tmp_path)

@@ -88,7 +88,7 @@ def test_admin_needs_the_token_and_impossible_swaps_change_nothing(worker):
     [
         ({"prompt_ids": [], "max_tokens": 4}, 400, "empty"),
         ({"prompt_ids": [1, 999], "max_tokens": 4}, 400, "token id 999"),
-        ({"prompt_ids": list(range(200)) * 11, "max_tokens": 4}, 400, "max_model_len"),
+        ({"prompt_ids": list(range(200)) * 21, "max_tokens": 4}, 400, "max_model_len 4096"),
         ({"prompt_ids": [1], "max_tokens": 0}, 422, "max_tokens"),
         ({"prompt_ids": [1], "prompt": "hi"}, 422, "exactly one"),
         ({"prompt_ids": [1], "bogus": 1}, 422, "bogus"),
