@@ -12,10 +12,10 @@ from blocktune.tuner.core.block_replay import replay_block_manager
 from blocktune.tuner.core.calibration import analytic_calibration
 from blocktune.tuner.core.cost_model import CostModel
 from blocktune.tuner.core.policy import Policy, load_policy
+from blocktune.tuner.core.simulator import simulate
+from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.core.workload import Workload
 from blocktune.tuner.replay.controllers import OracleController
-from blocktune.tuner.replay.simulator import simulate
-from blocktune.tuner.replay.step_cost import StepCostModel
-from blocktune.tuner.replay.workload import Workload
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
 POLICY = load_policy(POLICIES / "customer_service_llama8b.yaml")

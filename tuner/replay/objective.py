@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from blocktune.tuner.core.cost_model import CostModel
-from blocktune.tuner.replay.workload import Workload
+from blocktune.tuner.core.workload import Workload
 
 __all__ = ["IntervalCosts"]
 

@@ -30,11 +30,11 @@ from tqdm import tqdm
 from blocktune.tuner.core.calibration import Calibration
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
 from blocktune.tuner.core.policy import Policy, nearest_power_of_two
+from blocktune.tuner.core.simulator import Controller, Run, simulate
+from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.core.workload import EmptyWorkload, Workload
 from blocktune.tuner.replay.controllers import AdaptiveController, OracleController, TimelinePoint
 from blocktune.tuner.replay.objective import IntervalCosts
-from blocktune.tuner.replay.simulator import Controller, Run, simulate
-from blocktune.tuner.replay.step_cost import StepCostModel
-from blocktune.tuner.replay.workload import EmptyWorkload, Workload
 
 __all__ = [
     "ADAPTIVE",

@@ -43,8 +43,8 @@ from typing import Protocol
 
 import numpy as np
 
-from blocktune.tuner.replay.step_cost import StepCostModel
-from blocktune.tuner.replay.workload import Workload
+from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.core.workload import Workload
 
 __all__ = ["Controller", "Run", "simulate"]
 
