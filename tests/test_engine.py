@@ -198,3 +198,51 @@ def test_padding_counts_each_sequences_unused_tail_even_with_shared_blocks(model
     engine.step()
     # 17, 18 and 19 tokens in blocks of 8: 7 + 6 + 5 unused slots in the last blocks.
     assert engine.stats()["padding_slots"] == 7 + 6 + 5
+
+
+def test_chunked_prefill_keeps_tokens_within_the_step_budget(model, monkeypatch):
+    prompts = _prompts(10, seed=9, low=30, high=120)
+    expected, _ = _run(model, prompts, max_tokens=16, block_size=8, num_blocks=256)
+    computed: list[list[int]] = []  # per step: the prefill chunks, then the decode batch
+    prefill, decode = model.prefill, model.decode
+
+    def counting_prefill(token_ids, *args):
+        computed[-1].append(len(token_ids))
+        return prefill(token_ids, *args)
+
+    def counting_decode(token_ids, *args):
+        computed[-1].append(-len(token_ids))
+        return decode(token_ids, *args)
+
+    monkeypatch.setattr(model, "prefill", counting_prefill)
+    monkeypatch.setattr(model, "decode", counting_decode)
+    config = EngineConfig(block_size=8, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=40)
+    engine = Engine(model, config)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=16)) for p in prompts]
+    final = {}
+    while engine.has_unfinished():
+        computed.append([])
+        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert [final[i] for i in ids] == expected
+    assert max(sum(abs(n) for n in step) for step in computed) == 40
+    # Prompts of up to 120 tokens ran in chunks, and chunks shared steps with decodes.
+    assert max(n for step in computed for n in step) <= 40
+    assert any(n > 0 for step in computed for n in step if min(step) < 0)
+    engine.blocks.check()
+
+
+def test_chunked_prefill_survives_preemption_in_a_tiny_pool(model):
+    prompts = _prompts(8, seed=10, low=20, high=50)
+    expected, _ = _run(model, prompts, max_tokens=20, block_size=8)
+    tokens, engine = _run(
+        model, prompts, max_tokens=20, block_size=8, num_blocks=16, max_num_batched_tokens=32
+    )
+    assert engine.preemptions > 0
+    assert tokens == expected
+
+
+def test_chunked_prefill_settings_are_checked():
+    with pytest.raises(ValueError, match="max_num_batched_tokens 16 is below max_num_seqs 32"):
+        EngineConfig(num_blocks=4, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(num_blocks=4, max_num_batched_tokens=64, enable_prefix_caching=True)
