@@ -13,8 +13,9 @@ Every `step()`:
    prefill computes a chunk of at most the budget left, and a request yields
    its first token in the step its last chunk runs;
 3. performs the copy-on-write copies the block manager asked for;
-4. runs the prefill chunks, then decodes one token for each growing request
-   with the paged kernel.
+4. computes the decodes and the prefill chunks in one pass over the model
+   (`LlamaModel.forward_step`): one token for each growing request, and the
+   first token of each request whose prefill is complete.
 
 Without `max_num_batched_tokens` the budget is unlimited: every admitted
 prompt is prefilled whole in its admission step.
@@ -360,10 +361,9 @@ class Engine:
         self._copy_pending()
         used = self.blocks.num_blocks - self.blocks.num_free_blocks
         self.peak_blocks_used = max(self.peak_blocks_used, used)
-        outputs = [out for r, n in chunks if (out := self._prefill(r, n)) is not None]
-        if decoding:
-            outputs += self._decode(decoding)
-        return outputs
+        if not decoding and not chunks:
+            return []
+        return self._forward(decoding, chunks)
 
     def _schedule_prefills(self, budget: float) -> list[tuple[_Request, int]]:
         """(request, tokens) prefill chunks within `budget` tokens, oldest first: the
@@ -388,26 +388,6 @@ class Engine:
             chunks.append((request, min(request.prefill_left, budget)))
             budget -= chunks[-1][1]
         return chunks
-
-    def _prefill(self, request: _Request, num_tokens: int) -> RequestOutput | None:
-        """Compute the next `num_tokens` of the request's context; after the last chunk,
-        sample its next token."""
-        tokens = request.tokens
-        start = len(tokens) - request.prefill_left
-        end = start + num_tokens
-        slots = self.table.slot_mapping(request.row, range(end))
-        device = self.model.device
-        logits = self.model.prefill(
-            torch.tensor(tokens[start:end], device=device),
-            start,
-            torch.from_numpy(slots).to(device),
-            self.kv,
-            self.config.attention_backend,
-        )
-        request.prefill_left -= num_tokens
-        if request.prefill_left:
-            return None
-        return self._accept(request, self._sample(request, logits[None])[0])
 
     def _grow(self, candidates: list[_Request]) -> list[_Request]:
         """Reserve a slot for each request's pending token, preempting the youngest if needed."""
@@ -442,27 +422,48 @@ class Engine:
                 backend=self.config.attention_backend,
             )
 
-    def _decode(self, batch: list[_Request]) -> list[RequestOutput]:
+    def _forward(
+        self, decoding: list[_Request], chunks: list[tuple[_Request, int]]
+    ) -> list[RequestOutput]:
+        """Run the step's decodes and prefill chunks through the model; sample the decodes'
+        next tokens and the first token of each request whose last chunk this is."""
         device = self.model.device
         self.table.sync()
-        rows = torch.tensor([r.row for r in batch], device=device)
-        lengths = [self.blocks.num_tokens(r.id) for r in batch]
+        lengths = [self.blocks.num_tokens(r.id) for r in decoding]
+        token_ids = [r.output[-1] for r in decoding]
+        positions = [n - 1 for n in lengths]
         slots = [
             int(self.table.slot_mapping(r.row, [n - 1])[0])
-            for r, n in zip(batch, lengths, strict=True)
+            for r, n in zip(decoding, lengths, strict=True)
         ]
-        logits = self.model.decode(
-            torch.tensor([r.output[-1] for r in batch], device=device),
-            torch.tensor([n - 1 for n in lengths], device=device),
+        contexts, rows, sampled = [], list(range(len(decoding))), list(decoding)
+        for request, num_tokens in chunks:
+            start = len(request.tokens) - request.prefill_left
+            end = start + num_tokens
+            context = self.table.slot_mapping(request.row, range(end))
+            token_ids += request.tokens[start:end]
+            positions += range(start, end)
+            slots += context[start:].tolist()
+            contexts.append((num_tokens, torch.from_numpy(context).to(device)))
+            request.prefill_left -= num_tokens
+            if not request.prefill_left:
+                rows.append(len(token_ids) - 1)
+                sampled.append(request)
+        decode_rows = torch.tensor([r.row for r in decoding], dtype=torch.long, device=device)
+        logits = self.model.forward_step(
+            torch.tensor(token_ids, device=device),
+            torch.tensor(positions, device=device),
             torch.tensor(slots, device=device),
-            self.table.device_table.index_select(0, rows),
-            torch.tensor(lengths, dtype=torch.int32, device=device),
-            self.block_size,
             self.kv,
-            self.config.attention_backend,
+            block_table=self.table.device_table.index_select(0, decode_rows),
+            context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            block_size=self.block_size,
+            chunks=contexts,
+            logit_rows=torch.tensor(rows, dtype=torch.long, device=device),
+            backend=self.config.attention_backend,
         )
-        tokens = self._sample_batch(batch, logits)
-        return [self._accept(r, t) for r, t in zip(batch, tokens, strict=True)]
+        tokens = self._sample_batch(sampled, logits)
+        return [self._accept(r, t) for r, t in zip(sampled, tokens, strict=True)]
 
     # ------------------------------------------------------------------ block-size swaps
     def _align(self, block_size: int) -> int:

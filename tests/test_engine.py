@@ -203,31 +203,23 @@ def test_padding_counts_each_sequences_unused_tail_even_with_shared_blocks(model
 def test_chunked_prefill_keeps_tokens_within_the_step_budget(model, monkeypatch):
     prompts = _prompts(10, seed=9, low=30, high=120)
     expected, _ = _run(model, prompts, max_tokens=16, block_size=8, num_blocks=256)
-    computed: list[list[int]] = []  # per step: the prefill chunks, then the decode batch
-    prefill, decode = model.prefill, model.decode
+    steps = []  # per step: (decodes, prefill chunk sizes)
+    forward_step = model.forward_step
 
-    def counting_prefill(token_ids, *args):
-        computed[-1].append(len(token_ids))
-        return prefill(token_ids, *args)
+    def counting(token_ids, *args, **kwargs):
+        steps.append((kwargs["block_table"].shape[0], [n for n, _ in kwargs["chunks"]]))
+        assert len(token_ids) == steps[-1][0] + sum(steps[-1][1])
+        return forward_step(token_ids, *args, **kwargs)
 
-    def counting_decode(token_ids, *args):
-        computed[-1].append(-len(token_ids))
-        return decode(token_ids, *args)
-
-    monkeypatch.setattr(model, "prefill", counting_prefill)
-    monkeypatch.setattr(model, "decode", counting_decode)
+    monkeypatch.setattr(model, "forward_step", counting)
     config = EngineConfig(block_size=8, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=40)
     engine = Engine(model, config)
-    ids = [engine.add_request(p, SamplingParams(max_tokens=16)) for p in prompts]
-    final = {}
-    while engine.has_unfinished():
-        computed.append([])
-        final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    assert [final[i] for i in ids] == expected
-    assert max(sum(abs(n) for n in step) for step in computed) == 40
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=16))
+    assert [o.token_ids for o in outputs] == expected
+    assert max(decodes + sum(chunks) for decodes, chunks in steps) == 40
     # Prompts of up to 120 tokens ran in chunks, and chunks shared steps with decodes.
-    assert max(n for step in computed for n in step) <= 40
-    assert any(n > 0 for step in computed for n in step if min(step) < 0)
+    assert sum(map(len, prompts)) == sum(sum(chunks) for _, chunks in steps)
+    assert any(decodes and chunks for decodes, chunks in steps)
     engine.blocks.check()
 
 

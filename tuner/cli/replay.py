@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
     SYNTHETIC,
+    add_calibration_argument,
+    add_day_arguments,
     add_load_arguments,
-    load_from_args,
     load_policy_and_calibration,
+    load_trace_or_day,
 )
 from blocktune.tuner.core.defaults import DEFAULT_POLICY
 
@@ -30,32 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["register"]
 
-DAY_DURATION_S = 86_400.0
-DAY_RATE_SCALE = 0.05  # about 8000 requests: the embedded day replays in a few seconds
 PROGRESS_MIN_REQUESTS = 10_000
-
-
-def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
-    """The request table and a label for it: the embedded day or the TRACE file."""
-    if args.trace in (None, SYNTHETIC):
-        from blocktune.traces.synth import customer_service_day
-
-        frame = customer_service_day(
-            args.seed, duration_s=args.duration, rate_scale=args.rate_scale
-        )
-        label = (
-            f"synthetic customer-service day (seed {args.seed}, {args.duration:g} s, "
-            f"rate scale {args.rate_scale:g})"
-        )
-        return frame, label
-    loaded = load_from_args(args)
-    skipped = sum(loaded.skipped.values())
-    if skipped:
-        reasons = ", ".join(f"{reason} {count}" for reason, count in loaded.skipped.items())
-        print(f"skipped {skipped} of {loaded.rows_read} rows: {reasons}", file=sys.stderr)
-    for warning in loaded.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    return loaded.frame, f"{Path(args.trace).name} (format {loaded.format})"
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -72,8 +49,8 @@ def run_replay(args: argparse.Namespace) -> int:
     from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError, replay
 
     try:
-        policy, calibration = load_policy_and_calibration(args.policy)
-        frame, label = _load(args)
+        policy, calibration = load_policy_and_calibration(args.policy, args.calibration)
+        frame, label = load_trace_or_day(args)
         if args.json != "-":
             _print_setup(frame, label, policy, args.policy, calibration.describe())
         report = replay(
@@ -131,13 +108,6 @@ def _print_setup(
     print(f"calibration: {calibration}", flush=True)
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `replay` to the command line."""
     parser = commands.add_parser(
@@ -174,17 +144,6 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="B",
         help="block size the adaptive policy starts at (default: the candidate nearest 16)",
     )
-    parser.add_argument(
-        "--duration",
-        type=_positive_float,
-        default=DAY_DURATION_S,
-        help=f"embedded day: seconds the day spans (default: {DAY_DURATION_S:g}, a real day)",
-    )
-    parser.add_argument(
-        "--rate-scale",
-        type=_positive_float,
-        default=DAY_RATE_SCALE,
-        help=f"embedded day: multiplier on every arrival rate (default: {DAY_RATE_SCALE:g}, "
-        "about 8000 requests; 1 is about 163000)",
-    )
+    add_day_arguments(parser)
+    add_calibration_argument(parser)
     parser.set_defaults(handler=run_replay)

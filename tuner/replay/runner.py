@@ -43,6 +43,7 @@ __all__ = [
     "ReplayError",
     "ReplayReport",
     "replay",
+    "serving_times",
     "static_name",
 ]
 
@@ -98,24 +99,10 @@ class PolicyResult:
         replay_s: float,
     ) -> PolicyResult:
         """Summarise a simulated run."""
-        arrival = workload.arrival_s
-        outputs = workload.output_tokens
-        ttft = run.first_token_s - arrival
-        e2e = run.finish_s - arrival
-        later = outputs > 1
-        tpot = (run.finish_s[later] - run.first_token_s[later]) / (outputs[later] - 1)
-        span = run.end_s - float(arrival[0])
-        ttft_p50, ttft_p99 = np.percentile(ttft, [50, 99])
-        tpot_p50, tpot_p99 = np.percentile(tpot, [50, 99]) if len(tpot) else (np.nan, np.nan)
         return cls(
             policy=name,
             block_size=block_size,
-            tokens_per_s=float(run.generated.sum()) / span if span > 0 else float("nan"),
-            ttft_p50_s=float(ttft_p50),
-            ttft_p99_s=float(ttft_p99),
-            tpot_p50_s=float(tpot_p50),
-            tpot_p99_s=float(tpot_p99),
-            e2e_p99_s=float(np.percentile(e2e, 99)),
+            **serving_times(workload, run.first_token_s, run.finish_s, run.generated),
             peak_kv_bytes=int(run.peak_kv_bytes),
             mean_kv_bytes=run.kv_byte_s / run.end_s if run.end_s > 0 else 0.0,
             padding_ratio=run.padding_ratio,
@@ -151,6 +138,29 @@ class ReplayReport:
             if result.policy == name:
                 return result
         raise KeyError(name)
+
+
+def serving_times(
+    workload: Workload, first_token_s: np.ndarray, finish_s: np.ndarray, generated: np.ndarray
+) -> dict[str, float]:
+    """Throughput and latency percentiles of a served workload (times per workload row):
+    ``tokens_per_s``, ``ttft_p50_s``, ``ttft_p99_s``, ``tpot_p50_s``, ``tpot_p99_s`` and
+    ``e2e_p99_s``, as `PolicyResult` defines them."""
+    arrival = workload.arrival_s
+    outputs = workload.output_tokens
+    later = outputs > 1
+    tpot = (finish_s[later] - first_token_s[later]) / (outputs[later] - 1)
+    span = float(np.max(finish_s)) - float(arrival[0])
+    ttft_p50, ttft_p99 = np.percentile(first_token_s - arrival, [50, 99])
+    tpot_p50, tpot_p99 = np.percentile(tpot, [50, 99]) if len(tpot) else (np.nan, np.nan)
+    return {
+        "tokens_per_s": float(generated.sum()) / span if span > 0 else float("nan"),
+        "ttft_p50_s": float(ttft_p50),
+        "ttft_p99_s": float(ttft_p99),
+        "tpot_p50_s": float(tpot_p50),
+        "tpot_p99_s": float(tpot_p99),
+        "e2e_p99_s": float(np.percentile(finish_s - arrival, 99)),
+    }
 
 
 def replay(
