@@ -50,8 +50,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
             calibration = measure_engine_calibration(
                 model,
                 name,
+                _engine_grid(args),
                 quick=args.quick,
-                block_sizes=tuple(args.block_sizes),
                 clock=args.clock,
                 seed=args.seed,
                 progress=progress,
@@ -69,6 +69,28 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_grid(args: argparse.Namespace):
+    """The default engine grid (quick or full) with the dimensions given on the command line."""
+    from dataclasses import replace
+
+    from blocktune.tuner.core.engine_measure import default_engine_grid
+
+    grid = default_engine_grid(quick=args.quick, block_sizes=tuple(args.block_sizes))
+    given = {
+        name: tuple(getattr(args, name))
+        for name in ("batch_sizes", "context_lens", "prefill_chunks")
+        if getattr(args, name) is not None
+    }
+    return replace(grid, **given)
+
+
+def _positive_ints(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
 def _block_size(text: str) -> int:
     value = int(text)
     if not is_power_of_two(value):
@@ -78,6 +100,8 @@ def _block_size(text: str) -> int:
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `calibrate` to the command line."""
+    from blocktune.tuner.core.engine_measure import default_engine_grid
+
     parser = commands.add_parser(
         "calibrate",
         help="measure kernel, bookkeeping and copy costs (and engine steps) per block size",
@@ -113,6 +137,20 @@ def register(commands: argparse._SubParsersAction) -> None:
         "(the kernel part is then measured for that model's attention shape)",
     )
     add_model_arguments(parser)
+    full = default_engine_grid(quick=False, block_sizes=DEFAULT_BLOCK_SIZES)
+    for name, help_text in (
+        ("batch_sizes", "decode batch sizes"),
+        ("context_lens", "context lengths of the decode batches"),
+        ("prefill_chunks", "prefill chunk sizes (prompt tokens of one prefill step)"),
+    ):
+        default = " ".join(map(str, getattr(full, name)))
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=_positive_ints,
+            nargs="+",
+            metavar="N",
+            help=f"--engine: {help_text} to time (default: {default})",
+        )
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts")
     add_measurement_arguments(parser)
     parser.set_defaults(handler=run_calibrate)

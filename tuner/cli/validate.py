@@ -93,7 +93,7 @@ def _engine_calibration(args, calibration, model, name, block_sizes, progress):
     """The calibration given (it must have an engine section), or one measured now."""
     from blocktune.tuner.cli._common import set_threads
     from blocktune.tuner.core.calibration import CalibrationError
-    from blocktune.tuner.core.engine_measure import measure_engine_calibration
+    from blocktune.tuner.core.engine_measure import default_engine_grid, measure_engine_calibration
 
     if args.calibration is not None:
         if calibration.engine is None:
@@ -108,8 +108,8 @@ def _engine_calibration(args, calibration, model, name, block_sizes, progress):
     return measure_engine_calibration(
         model,
         name,
+        default_engine_grid(quick=False, block_sizes=block_sizes),
         quick=False,
-        block_sizes=block_sizes,
         clock=args.clock,
         seed=args.seed,
         progress=progress,

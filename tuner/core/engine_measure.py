@@ -182,33 +182,31 @@ def check_clock(clock: str, model: LlamaModel) -> None:
 def measure_engine_calibration(
     model: LlamaModel,
     name: str,
+    grid: EngineGrid,
     *,
     quick: bool,
-    block_sizes: tuple[int, ...],
     clock: str = "wall",
     seed: int = 0,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Calibration:
-    """What `calibrate --engine` writes: the kernel calibration on the model's device for its
-    attention shape and dtype, with the model's engine steps timed and fitted."""
+    """What `calibrate --engine` writes: the kernel calibration (its `quick` grid or the full
+    one) on the model's device for its attention shape and dtype, with the model's engine
+    steps timed over `grid` and fitted."""
     from dataclasses import replace
 
     check_clock(clock, model)
     device = model.device.type
     shape = engine_model(model, name)
-    grid = replace(
-        default_grid(device, quick=quick, block_sizes=block_sizes),
+    kernel_grid = replace(
+        default_grid(device, quick=quick, block_sizes=grid.block_sizes),
         num_heads=shape.num_heads,
         num_kv_heads=shape.num_kv_heads,
         head_dim=shape.head_dim,
         dtype=shape.dtype,
     )
-    calibration = measure_calibration(grid, device, progress=progress)
-    engine_grid = default_engine_grid(quick=quick, block_sizes=block_sizes)
+    calibration = measure_calibration(kernel_grid, device, progress=progress)
     backend = calibration.provenance.backend
-    engine = measure_engine(
-        model, name, engine_grid, backend, clock=clock, seed=seed, progress=progress
-    )
+    engine = measure_engine(model, name, grid, backend, clock=clock, seed=seed, progress=progress)
     for block_size, fit in engine.residuals.items():
         progress(
             f"step fit at B={block_size}: {fit.points} points, relative residual rms "
