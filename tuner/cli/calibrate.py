@@ -30,11 +30,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
         return 2
-    engine_only = (
-        args.model_shape is not None or args.model != "tiny-random" or args.clock != "wall"
-    )
-    if not args.engine and engine_only:
-        print("error: --model, --model-shape and --clock apply to --engine", file=sys.stderr)
+    grid_given = (args.batch_sizes, args.context_lens, args.prefill_chunks) != (None,) * 3
+    chosen = args.model_shape is not None or args.model != "tiny-random" or args.clock != "wall"
+    if (chosen or grid_given) and not args.engine:
+        print(
+            "error: --model, --model-shape, --clock and the grid flags apply to --engine",
+            file=sys.stderr,
+        )
         return 2
     set_threads(args.threads)
 
