@@ -71,13 +71,20 @@ def test_the_simulator_prices_steps_with_the_measured_coefficients(measured):
         StepCostModel(other, calibration)
 
 
-def test_an_engine_section_must_cover_the_kernels_block_sizes(measured, tmp_path):
-    path, _ = measured
+def test_engine_steps_may_cover_fewer_block_sizes_than_the_kernel_but_no_others(measured, tmp_path):
+    path, policy_path = measured
     data = yaml.safe_load(path.read_text())
     del data["engine"]["steps"][16], data["engine"]["residuals"][16]
-    (tmp_path / "short.yaml").write_text(yaml.safe_dump(data))
-    with pytest.raises(ConfigError, match=r"engine.steps covers \[8\]"):
-        load_calibration(tmp_path / "short.yaml")
+    (tmp_path / "fewer.yaml").write_text(yaml.safe_dump(data))
+    fewer = load_calibration(tmp_path / "fewer.yaml")
+    assert fewer.block_sizes == (8,)
+    with pytest.raises(CalibrationError, match=r"no costs for block sizes \[16\]"):
+        StepCostModel(load_policy(policy_path), fewer).step_cost(16)
+    data["engine"]["steps"][512] = data["engine"]["steps"][8]
+    data["engine"]["residuals"][512] = data["engine"]["residuals"][8]
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"engine.steps covers block sizes \[8, 512\]"):
+        load_calibration(tmp_path / "other.yaml")
 
 
 def test_replay_uses_the_engine_calibration_from_the_policy_or_the_flag(measured, capsys):

@@ -207,26 +207,29 @@ class Calibration(_Frozen):
 
     @model_validator(mode="after")
     def _same_block_sizes(self) -> Calibration:
-        sections = {"host_s_per_token": self.host_s_per_token}
-        if self.engine is not None:
-            sections["engine.steps"] = self.engine.steps
-        for name, section in sections.items():
-            if set(self.kernel) != set(section):
-                raise ValueError(
-                    f"kernel covers block sizes {sorted(self.kernel)} but {name} covers "
-                    f"{sorted(section)}; both must list the same ones"
-                )
+        if set(self.kernel) != set(self.host_s_per_token):
+            raise ValueError(
+                f"kernel covers block sizes {sorted(self.kernel)} but host_s_per_token covers "
+                f"{sorted(self.host_s_per_token)}; both must list the same ones"
+            )
+        if self.engine is not None and not set(self.engine.steps) <= set(self.kernel):
+            raise ValueError(
+                f"engine.steps covers block sizes {sorted(self.engine.steps)}, not all among "
+                f"the kernel's {sorted(self.kernel)}"
+            )
         if min(self.host_s_per_token.values()) < 0:
             raise ValueError("host_s_per_token values must be >= 0")
         return self
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self.kernel))
+        """The block sizes every section covers (the engine steps too, where measured)."""
+        sizes = set(self.kernel) if self.engine is None else set(self.engine.steps)
+        return tuple(sorted(sizes))
 
     def require(self, block_sizes: tuple[int, ...] | list[int]) -> None:
         """Raise `CalibrationError` unless every block size in `block_sizes` is calibrated."""
-        missing = sorted(set(block_sizes) - set(self.kernel))
+        missing = sorted(set(block_sizes) - set(self.block_sizes))
         if missing:
             raise CalibrationError(
                 f"calibration for {self.provenance.device} ({self.provenance.kind}) has no "
