@@ -26,10 +26,12 @@ __all__ = [
     "add_load_arguments",
     "add_model_arguments",
     "add_measurement_arguments",
+    "block_size_arg",
     "load_from_args",
     "load_model_from_args",
     "load_policy_and_calibration",
     "load_trace_or_day",
+    "positive_int",
     "set_threads",
 ]
 
@@ -116,6 +118,24 @@ def add_load_arguments(
         default=200_000,
         help="rows read at a time, bounding memory on large files (default: 200000)",
     )
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def block_size_arg(text: str) -> int:
+    """An argparse type: a block size, a power of two."""
+    from blocktune.kernels import is_power_of_two
+
+    value = int(text)
+    if not is_power_of_two(value):
+        raise argparse.ArgumentTypeError(f"block sizes must be powers of two, got {text}")
+    return value
 
 
 def _positive_float(text: str) -> float:

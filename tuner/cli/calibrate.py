@@ -6,8 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from blocktune.kernels import is_power_of_two
-from blocktune.tuner.cli._common import add_measurement_arguments, add_model_arguments
+from blocktune.tuner.cli._common import (
+    add_measurement_arguments,
+    add_model_arguments,
+    block_size_arg,
+    positive_int,
+)
 
 __all__ = ["register"]
 
@@ -86,20 +90,6 @@ def _engine_grid(args: argparse.Namespace):
     return replace(grid, **given)
 
 
-def _positive_ints(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
-
-
-def _block_size(text: str) -> int:
-    value = int(text)
-    if not is_power_of_two(value):
-        raise argparse.ArgumentTypeError(f"block sizes must be powers of two, got {text}")
-    return value
-
-
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `calibrate` to the command line."""
     from blocktune.tuner.core.engine_measure import default_engine_grid
@@ -126,7 +116,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--block-sizes",
-        type=_block_size,
+        type=block_size_arg,
         nargs="+",
         default=list(DEFAULT_BLOCK_SIZES),
         metavar="B",
@@ -148,7 +138,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         default = " ".join(map(str, getattr(full, name)))
         parser.add_argument(
             f"--{name.replace('_', '-')}",
-            type=_positive_ints,
+            type=positive_int,
             nargs="+",
             metavar="N",
             help=f"--engine: {help_text} to time (default: {default})",

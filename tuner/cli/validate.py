@@ -22,6 +22,8 @@ from blocktune.tuner.cli._common import (
     add_load_arguments,
     add_measurement_arguments,
     add_model_arguments,
+    block_size_arg,
+    positive_int,
 )
 
 __all__ = ["register"]
@@ -116,13 +118,6 @@ def _engine_calibration(args, calibration, model, name, block_sizes, progress):
     )
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return value
-
-
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `validate` to the command line."""
     from blocktune.tuner.replay.served_metrics import METRICS
@@ -152,20 +147,20 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_calibration_argument(parser)
     parser.add_argument(
         "--requests",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_REQUESTS,
         help="serve the first N requests of the trace (default: %(default)s)",
     )
     parser.add_argument(
         "--block-sizes",
-        type=_positive_int,
+        type=block_size_arg,
         nargs="+",
         metavar="B",
         help="block sizes to compare (default: the policy's candidates)",
     )
     parser.add_argument(
         "--runs",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_RUNS,
         help="live runs per block size, for the run-to-run noise (default: %(default)s)",
     )
