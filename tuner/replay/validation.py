@@ -151,25 +151,13 @@ def validate(
     checks = []
     for block_size in served.candidates:
         progress(f"B={block_size}: simulating")
-        run = simulate(kept, server, block_size)
-        predicted = ServedMetrics.of(
-            kept, run.first_token_s, run.finish_s, run.generated, run.peak_blocks, run.preemptions
-        )
+        predicted = ServedMetrics.of(kept, simulate(kept, server, block_size))
         measured = []
         for i in range(runs):
             progress(f"B={block_size}: live run {i + 1} of {runs}")
             engine = _engine(model, server, block_size, kept)
             live = serve_live(engine, kept, step_s=step_s, timer=STEP_CLOCKS[clock], seed=seed)
-            measured.append(
-                ServedMetrics.of(
-                    kept,
-                    live.first_token_s,
-                    live.finish_s,
-                    live.generated,
-                    live.peak_blocks,
-                    live.preemptions,
-                )
-            )
+            measured.append(ServedMetrics.of(kept, live))
         checks.append(BlockSizeCheck(block_size, predicted, tuple(measured)))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
     setup = {
