@@ -131,13 +131,14 @@ class Forecaster:
 
     def workload_of(self, snapshot: WindowSnapshot) -> Workload | None:
         """The window's latest `FORECAST_REQUESTS` requests as a workload, arriving at their
-        recorded times, or None when fewer than two have a time span."""
+        recorded times (less those no pool could hold), or None without two of them over a
+        time span."""
         order = np.argsort(snapshot.timestamps, kind="stable")[-FORECAST_REQUESTS:]
         stamps = snapshot.timestamps[order]
         if len(stamps) < 2 or not stamps[-1] > stamps[0]:
             return None
         fits = min(self.server.capacity_slots(b) for b in self.policy.candidates)
-        return Workload(
+        workload = Workload(
             arrival_s=stamps - stamps[0],
             prompt_tokens=np.maximum(snapshot.prompt_tokens[order], 1),
             output_tokens=np.maximum(snapshot.output_tokens[order], 1),
@@ -145,6 +146,7 @@ class Forecaster:
             shareable_tokens=np.zeros(len(order), dtype=np.int64),
             chains={},
         ).without_longer_than(fits)
+        return workload if len(workload) >= 2 else None
 
     def metrics(self, workload: Workload, block_size: int, load: float) -> ServingMetrics:
         """Serve `workload` at `load` times its arrival rate at a fixed `block_size`."""
