@@ -44,7 +44,7 @@ __all__ = [
 FORECAST_REQUESTS = 128
 """The window's latest requests a forecast replays (a window holds up to its capacity)."""
 
-CAPACITY_RANGE = (1 / 64, 64.0)
+CAPACITY_RANGE = (1 / 4096, 64.0)
 """The multiples of the observed arrival rate a capacity search spans (its result is clamped)."""
 
 CAPACITY_TOLERANCE = 0.01
@@ -167,7 +167,8 @@ class Forecaster:
         out = []
         for b in block_sizes:
             capacity = reference
-            if b != current and self._meets(workload, b, reference * (1 + gain)):
+            above = reference * (1 + gain)
+            if b != current and above <= CAPACITY_RANGE[1] and self._meets(workload, b, above):
                 capacity = self._bisect(workload, b, reference * (1 + gain), CAPACITY_RANGE[1])
             elif b != current and not self._meets(workload, b, reference * (1 - gain)):
                 low = max(CAPACITY_RANGE[0], reference / 8)
@@ -186,7 +187,10 @@ class Forecaster:
             low, high = headroom, headroom * 4
             while high < high_limit and self._meets(workload, b, high):
                 low, high = high, high * 4
-            high = min(high, high_limit)
+            if high >= high_limit:
+                if self._meets(workload, b, high_limit):
+                    return high_limit  # served within the SLO at the top of the range
+                high = high_limit
         elif known[0].meets(slo):
             low, high = 1.0, headroom
         else:
