@@ -40,7 +40,7 @@ def replay(prompts: list[int], outputs: list[int], block_size: int, batch: int) 
             next_request += 1
             operations += 1
         for seq_id in remaining:
-            manager.append_tokens(seq_id, (0,))
+            manager.append_token(seq_id, 0)
             remaining[seq_id] -= 1
         operations += len(remaining)
         generated += len(remaining)
