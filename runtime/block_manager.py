@@ -100,7 +100,10 @@ def chain_keys(parent: CacheKey, tokens: Sequence[int], block_size: int) -> list
     data = memoryview(array("q", tokens))
     keys = []
     for end in range(block_size, len(data) + 1, block_size):
-        parent = _digest(parent, data[end - block_size : end])
+        hasher = _BLAKE2B.copy()  # `_digest`, inlined: this loop runs once per prompt block
+        hasher.update(parent)
+        hasher.update(data[end - block_size : end])
+        parent = hasher.digest()
         keys.append(parent)
     return keys
 
@@ -340,7 +343,7 @@ class BlockManager:
             return False
         if tail_shared:
             src = seq.blocks[-1]
-            dst = self._take_block(after=None, index=len(seq.blocks) - 1)
+            dst = self._take_block(None, len(seq.blocks) - 1)
             self._refcount[src] -= 1
             self._refcount[dst] = 1
             seq.blocks[-1] = dst
@@ -453,12 +456,10 @@ class BlockManager:
         free, else the most recently freed one (with `align`, preferring an id congruent to
         `index`), else the least recently released cached block (its cache entry is dropped)."""
         block = self._free.take(after, index)
-        if block is not None:
-            return block
-        block, _ = self._evictable.popitem(last=False)
-        key = self._block_key[block]
-        del self._cache[key]
-        self._block_key[block] = None
+        if block is None:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cache[self._block_key[block]]
+            self._block_key[block] = None
         return block
 
     def _cached_prefix(self, keys: list[CacheKey]) -> list[int]:
@@ -494,7 +495,7 @@ class BlockManager:
     def _push_block(self, seq: _Sequence) -> None:
         """Append a fresh block to the sequence (the caller checked that one is free)."""
         blocks = seq.blocks
-        block = self._take_block(after=blocks[-1] if blocks else None, index=len(blocks))
+        block = self._take_block(blocks[-1] if blocks else None, len(blocks))
         self._refcount[block] = 1
         blocks.append(block)
 
@@ -515,9 +516,13 @@ class BlockManager:
         seq.tail_tokens = []
 
     def _register(self, seq: _Sequence, first: int, keys: list[CacheKey]) -> None:
-        """The sequence's blocks `first, first + 1, ...` just filled, with these `keys`."""
+        """The sequence's blocks `first, first + 1, ...` just filled, with these `keys`:
+        `_enter` each (inlined: this loop runs once per prompt block)."""
+        cache, block_key = self._cache, self._block_key
         for block, key in zip(seq.blocks[first : first + len(keys)], keys, strict=True):
-            self._enter(block, key)
+            if key not in cache and block_key[block] is None:
+                cache[key] = block
+                block_key[block] = key
         if keys:
             seq.last_full_key = keys[-1]
 
