@@ -49,6 +49,9 @@ DEFAULT_PARTITION = 512
 MIN_DOT = 16  # tl.dot needs every matrix dimension >= 16 (tiles, head_dim, padded group)
 MAX_TILE = 256
 MAX_HEAD_DIM = 256
+# fp32 K and V the torch backend gathers per chunk of sequences: small enough to be read
+# back from the CPU cache, large enough that the chunks' own overhead stays small.
+GATHER_BYTES = 4 << 20
 
 
 class KernelInputError(ValueError):
@@ -171,8 +174,12 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """Reference decode attention: gather K/V through the block table, softmax in fp32.
 
-    Vectorised over the batch: every sequence is padded to the longest context and
-    the padding is masked out. Returns `[num_seqs, num_heads, head_dim]` in
+    Vectorised over the batch: the slots of every sequence's tokens, padded to the
+    longest context, are gathered from the flat slot view, and torch's fused
+    attention runs over them with the padding masked out; each KV head's query
+    heads attend as one group of queries, so K/V are read once per KV head. The
+    batch goes in chunks of sequences whose gathered K/V stay small enough to be
+    read back from the CPU cache. Returns `[num_seqs, num_heads, head_dim]` in
     `query.dtype`.
     """
     _check_attention_inputs(query, key_cache, value_cache, block_table, context_lens, block_size)
@@ -181,18 +188,40 @@ def paged_attention_torch(
     if num_seqs == 0:
         return torch.empty_like(query)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    max_len = int(context_lens.max())
-    positions = torch.arange(max_len, device=query.device)
-    valid = positions < context_lens[:, None].long()
-    blocks = block_table[:, positions // block_size].long()
-    slots = torch.where(valid, blocks * block_size + positions % block_size, 0)
-    keys = key_cache[slots].float()  # [num_seqs, max_len, num_kv_heads, head_dim]
-    values = value_cache[slots].float()
-    grouped = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("skgd,stkd->skgt", grouped, keys) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.einsum("skgt,stkd->skgd", torch.softmax(scores, dim=-1), values)
+    slots, valid = _context_slots(block_table, context_lens, block_size)
+    grouped = query.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.empty_like(grouped)
+    row_bytes = 2 * slots.shape[1] * key_cache[0].numel() * 4  # one sequence's fp32 K and V
+    step = max(1, GATHER_BYTES // row_bytes)
+    for first in range(0, num_seqs, step):
+        rows = slice(first, first + step)
+        out[rows] = torch.nn.functional.scaled_dot_product_attention(
+            grouped[rows],
+            _gather_heads(key_cache, slots[rows]),
+            _gather_heads(value_cache, slots[rows]),
+            attn_mask=valid[rows, None, None, :],
+            scale=scale,
+        )
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _context_slots(
+    block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The slot of each sequence's every token, padded to the longest context with slot 0
+    (`[num_seqs, max_len]`, int64), and which of them are real tokens (bool)."""
+    positions = torch.arange(int(context_lens.max()), device=block_table.device)
+    valid = positions < context_lens[:, None]
+    blocks = block_table[:, positions // block_size].long()
+    return torch.where(valid, blocks * block_size + positions % block_size, 0), valid
+
+
+def _gather_heads(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`cache[slots]` in fp32 as `[rows, num_kv_heads, max_len, head_dim]` (a view of one
+    row gather through the flat slot view)."""
+    rows, max_len = slots.shape
+    gathered = cache.flatten(1).index_select(0, slots.flatten()).float()
+    return gathered.view(rows, max_len, *cache.shape[1:]).transpose(1, 2)
 
 
 def default_tile_size(head_dim: int) -> int:
