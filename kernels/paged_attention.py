@@ -49,9 +49,10 @@ DEFAULT_PARTITION = 512
 MIN_DOT = 16  # tl.dot needs every matrix dimension >= 16 (tiles, head_dim, padded group)
 MAX_TILE = 256
 MAX_HEAD_DIM = 256
-# fp32 K and V the torch backend gathers per chunk of sequences: small enough to be read
-# back from the CPU cache, large enough that the chunks' own overhead stays small.
-GATHER_BYTES = 4 << 20
+# fp32 K and V the torch backend gathers per chunk of sequences, per CPU thread: small
+# enough to be read back from the CPU caches, large enough that the chunks' own overhead
+# stays small (the fastest on a 2-core machine at 1 and 2 threads).
+GATHER_BYTES_PER_THREAD = 4 << 20
 
 
 class KernelInputError(ValueError):
@@ -174,13 +175,13 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """Reference decode attention: gather K/V through the block table, softmax in fp32.
 
-    Vectorised over the batch: the slots of every sequence's tokens, padded to the
-    longest context, are gathered from the flat slot view, and torch's fused
-    attention runs over them with the padding masked out; each KV head's query
-    heads attend as one group of queries, so K/V are read once per KV head. The
-    batch goes in chunks of sequences whose gathered K/V stay small enough to be
-    read back from the CPU cache. Returns `[num_seqs, num_heads, head_dim]` in
-    `query.dtype`.
+    Vectorised over the batch: every sequence's blocks are gathered whole from the
+    pool's block view, padded to the longest context, and torch's fused attention
+    runs over them with the padding masked out; each KV head's query heads attend as
+    one group of queries, so K/V are read once per KV head. The batch goes in chunks
+    of sequences whose gathered K/V (`GATHER_BYTES_PER_THREAD` per CPU thread) the
+    CPU caches still hold when attention reads them back. Returns
+    `[num_seqs, num_heads, head_dim]` in `query.dtype`.
     """
     _check_attention_inputs(query, key_cache, value_cache, block_table, context_lens, block_size)
     num_seqs, num_heads, head_dim = query.shape
@@ -188,40 +189,54 @@ def paged_attention_torch(
     if num_seqs == 0:
         return torch.empty_like(query)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    slots, valid = _context_slots(block_table, context_lens, block_size)
+    max_len = int(context_lens.max())
+    num_blocks = -(-max_len // block_size)
+    positions = torch.arange(num_blocks * block_size, device=query.device)
+    valid = positions[:max_len] < context_lens[:, None]
+    # Table entries past a sequence's context may hold anything (-1, say): read block 0.
+    used = positions[::block_size] < context_lens[:, None]
+    blocks = torch.where(used, block_table[:, :num_blocks], 0)
     grouped = query.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.empty_like(grouped)
-    row_bytes = 2 * slots.shape[1] * key_cache[0].numel() * 4  # one sequence's fp32 K and V
-    step = max(1, GATHER_BYTES // row_bytes)
+    chunk_bytes = GATHER_BYTES_PER_THREAD * torch.get_num_threads()
+    step = max(1, chunk_bytes // (2 * 4 * num_blocks * block_size * key_cache[0].numel()))
     for first in range(0, num_seqs, step):
         rows = slice(first, first + step)
-        out[rows] = torch.nn.functional.scaled_dot_product_attention(
-            grouped[rows],
-            _gather_heads(key_cache, slots[rows]),
-            _gather_heads(value_cache, slots[rows]),
-            attn_mask=valid[rows, None, None, :],
-            scale=scale,
+        out[rows] = _attend_blocks(
+            grouped[rows], key_cache, value_cache, blocks[rows], valid[rows], block_size, scale
         )
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
-def _context_slots(
-    block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The slot of each sequence's every token, padded to the longest context with slot 0
-    (`[num_seqs, max_len]`, int64), and which of them are real tokens (bool)."""
-    positions = torch.arange(int(context_lens.max()), device=block_table.device)
-    valid = positions < context_lens[:, None]
-    blocks = block_table[:, positions // block_size].long()
-    return torch.where(valid, blocks * block_size + positions % block_size, 0), valid
+def _attend_blocks(
+    grouped: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Fused attention of `grouped [rows, num_kv_heads, group, head_dim]` (fp32) over the
+    K/V of `blocks [rows, n]`, the tokens where `valid [rows, max_len]`.
 
-
-def _gather_heads(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """`cache[slots]` in fp32 as `[rows, num_kv_heads, max_len, head_dim]` (a view of one
-    row gather through the flat slot view)."""
-    rows, max_len = slots.shape
-    gathered = cache.flatten(1).index_select(0, slots.flatten()).float()
-    return gathered.view(rows, max_len, *cache.shape[1:]).transpose(1, 2)
+    The blocks are gathered whole from the pools' block views into one fp32 buffer for K
+    and V, freed on return: with one buffer alive at a time, glibc keeps reusing the same
+    heap memory instead of handing it back to the system and faulting it in again on the
+    next call (which two buffers, or one per chunk alive at once, make it do).
+    """
+    rows, count = blocks.shape
+    max_len = valid.shape[1]
+    num_slots = key_cache.shape[0] // block_size * block_size
+    row = block_size * key_cache[0].numel()
+    gathered = key_cache.new_empty((2, rows * count, row))
+    for cache, part in zip((key_cache, value_cache), gathered, strict=True):
+        torch.index_select(cache[:num_slots].reshape(-1, row), 0, blocks.flatten(), out=part)
+    shape = (2, rows, count * block_size, *key_cache.shape[1:])
+    keys, values = gathered.float().view(shape)[:, :, :max_len].transpose(2, 3)
+    return torch.nn.functional.scaled_dot_product_attention(
+        grouped, keys, values, attn_mask=valid[:, None, None, :], scale=scale
+    )
 
 
 def default_tile_size(head_dim: int) -> int:
