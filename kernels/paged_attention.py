@@ -141,6 +141,21 @@ def _check_attention_values(
     block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_slots: int
 ) -> None:
     capacity = block_table.shape[1] * block_size
+    num_blocks = num_slots // block_size
+    shortest, longest = (int(n) for n in torch.aminmax(context_lens))
+    if shortest >= 1 and longest <= capacity:
+        used = torch.arange(block_table.shape[1]) * block_size < context_lens[:, None]
+        lowest, highest = (int(n) for n in torch.aminmax(block_table.where(used, 0)))
+        if lowest >= 0 and highest < num_blocks:
+            return
+    _raise_bad_values(block_table, context_lens, block_size, num_blocks)
+
+
+def _raise_bad_values(
+    block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_blocks: int
+) -> None:
+    """Raise `KernelInputError` naming the first bad context length or used block id."""
+    capacity = block_table.shape[1] * block_size
     short = torch.nonzero(context_lens < 1)
     if len(short):
         seq = int(short[0, 0])
@@ -153,14 +168,13 @@ def _check_attention_values(
             f"{block_table.shape[1]} blocks of {block_size} tokens"
         )
     used = torch.arange(block_table.shape[1]) * block_size < context_lens[:, None]
-    num_blocks = num_slots // block_size
-    bad = torch.nonzero(used & ((block_table < 0) | (block_table >= num_blocks)))
-    if len(bad):
-        seq, col = (int(i) for i in bad[0])
-        raise KernelInputError(
-            f"block_table[{seq}, {col}] = {int(block_table[seq, col])} is outside the pool's "
-            f"{num_blocks} blocks of {block_size} slots"
-        )
+    seq, col = (
+        int(i) for i in torch.nonzero(used & ((block_table < 0) | (block_table >= num_blocks)))[0]
+    )
+    raise KernelInputError(
+        f"block_table[{seq}, {col}] = {int(block_table[seq, col])} is outside the pool's "
+        f"{num_blocks} blocks of {block_size} slots"
+    )
 
 
 def paged_attention_torch(
@@ -189,7 +203,7 @@ def paged_attention_torch(
     if num_seqs == 0:
         return torch.empty_like(query)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    max_len = int(context_lens.max())
+    shortest, max_len = (int(n) for n in torch.aminmax(context_lens))
     num_blocks = -(-max_len // block_size)
     positions = torch.arange(num_blocks * block_size, device=query.device)
     valid = positions[:max_len] < context_lens[:, None]
@@ -202,8 +216,9 @@ def paged_attention_torch(
     step = max(1, chunk_bytes // (2 * 4 * num_blocks * block_size * key_cache[0].numel()))
     for first in range(0, num_seqs, step):
         rows = slice(first, first + step)
+        mask = None if shortest == max_len else valid[rows]  # no padding, nothing to mask
         out[rows] = _attend_blocks(
-            grouped[rows], key_cache, value_cache, blocks[rows], valid[rows], block_size, scale
+            grouped[rows], key_cache, value_cache, blocks[rows], mask, max_len, block_size, scale
         )
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
@@ -213,12 +228,14 @@ def _attend_blocks(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     blocks: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
+    max_len: int,
     block_size: int,
     scale: float,
 ) -> torch.Tensor:
     """Fused attention of `grouped [rows, num_kv_heads, group, head_dim]` (fp32) over the
-    K/V of `blocks [rows, n]`, the tokens where `valid [rows, max_len]`.
+    first `max_len` tokens of the K/V of `blocks [rows, n]`, those where `valid [rows,
+    max_len]` (all of them when None).
 
     The blocks are gathered whole from the pools' block views into one fp32 buffer for K
     and V, freed on return: with one buffer alive at a time, glibc keeps reusing the same
@@ -226,7 +243,6 @@ def _attend_blocks(
     next call (which two buffers, or one per chunk alive at once, make it do).
     """
     rows, count = blocks.shape
-    max_len = valid.shape[1]
     num_slots = key_cache.shape[0] // block_size * block_size
     row = block_size * key_cache[0].numel()
     gathered = key_cache.new_empty((2, rows * count, row))
@@ -235,7 +251,11 @@ def _attend_blocks(
     shape = (2, rows, count * block_size, *key_cache.shape[1:])
     keys, values = gathered.float().view(shape)[:, :, :max_len].transpose(2, 3)
     return torch.nn.functional.scaled_dot_product_attention(
-        grouped, keys, values, attn_mask=valid[:, None, None, :], scale=scale
+        grouped,
+        keys,
+        values,
+        attn_mask=None if valid is None else valid[:, None, None, :],
+        scale=scale,
     )
 
 
