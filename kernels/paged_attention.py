@@ -237,10 +237,11 @@ def _attend_blocks(
     first `max_len` tokens of the K/V of `blocks [rows, n]`, those where `valid [rows,
     max_len]` (all of them when None).
 
-    The blocks are gathered whole from the pools' block views into one fp32 buffer for K
-    and V, freed on return: with one buffer alive at a time, glibc keeps reusing the same
-    heap memory instead of handing it back to the system and faulting it in again on the
-    next call (which two buffers, or one per chunk alive at once, make it do).
+    The blocks are gathered whole from the pools' block views into one buffer for K and V
+    (in fp32 once converted), freed on return: with one such buffer alive at a time, glibc
+    keeps reusing the same heap memory instead of handing it back to the system and
+    faulting it in again on the next call (which two buffers, or one per chunk alive at
+    once, make it do).
     """
     rows, count = blocks.shape
     num_slots = key_cache.shape[0] // block_size * block_size
