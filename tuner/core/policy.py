@@ -66,8 +66,10 @@ from blocktune.tuner.core.defaults import (
 
 __all__ = [
     "DTYPE_BYTES",
+    "MAX_BLOCK_SIZE",
     "ActuatorSettings",
     "AuthSettings",
+    "BlockSize",
     "JsonlLogSettings",
     "ModelShape",
     "Policy",

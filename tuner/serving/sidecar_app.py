@@ -104,6 +104,11 @@ class _SidecarMetrics:
         yield CounterMetricFamily(
             "blocktune_observations", "finished requests observed", value=m["observations"]
         )
+        yield CounterMetricFamily(
+            "blocktune_state_save_failures",
+            "state file saves that failed (the last good state stays on disk)",
+            value=m["state_save_failures"],
+        )
         errors = CounterMetricFamily(
             "blocktune_source_errors",
             "failed polls, bad lines and rejected batches, by source",
@@ -190,7 +195,7 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
 
     @app.get("/readyz", summary="Scheduler running and a source able to deliver")
     async def readyz() -> Response:
-        readiness = sidecar.readiness()
+        readiness = await asyncio.to_thread(sidecar.readiness)
         return _json(readiness, 200 if readiness["ready"] else 503)
 
     return app
