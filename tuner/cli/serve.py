@@ -49,7 +49,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     log = logging.getLogger("blocktune.sidecar")
     log_event(log, "serving", host=host, port=port, state_file=state_file, auth=token is not None)
-    serve_sidecar(sidecar, host=host, port=port, token=token)
+    serve_sidecar(sidecar, host=host, port=port, token=token, server=server)
     return 0
 
 
