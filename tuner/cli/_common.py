@@ -6,6 +6,7 @@ Imports stay inside the functions so that building the parser stays cheap.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,7 @@ __all__ = [
     "add_load_arguments",
     "load_from_args",
     "load_policy_and_calibration",
+    "report_skipped",
 ]
 
 
@@ -42,6 +44,16 @@ def load_from_args(args: argparse.Namespace):
         output_col=args.output_col,
         chunksize=args.chunksize,
     )
+
+
+def report_skipped(loaded) -> None:
+    """Print to stderr the rows a load skipped, by reason, and its warnings."""
+    skipped = sum(loaded.skipped.values())
+    if skipped:
+        reasons = ", ".join(f"{reason} {count}" for reason, count in loaded.skipped.items())
+        print(f"skipped {skipped} of {loaded.rows_read} rows: {reasons}", file=sys.stderr)
+    for warning in loaded.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def add_load_arguments(

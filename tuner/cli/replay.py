@@ -20,6 +20,7 @@ from blocktune.tuner.cli._common import (
     add_load_arguments,
     load_from_args,
     load_policy_and_calibration,
+    report_skipped,
 )
 from blocktune.tuner.core.defaults import DEFAULT_POLICY
 
@@ -56,12 +57,7 @@ def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
         if value is not None:
             raise ReplayError(f"{flag} changes the embedded day only, not the trace {args.trace}")
     loaded = load_from_args(args)
-    skipped = sum(loaded.skipped.values())
-    if skipped:
-        reasons = ", ".join(f"{reason} {count}" for reason, count in loaded.skipped.items())
-        print(f"skipped {skipped} of {loaded.rows_read} rows: {reasons}", file=sys.stderr)
-    for warning in loaded.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
+    report_skipped(loaded)
     return loaded.frame, f"{Path(args.trace).name} (format {loaded.format})"
 
 

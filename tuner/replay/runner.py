@@ -51,6 +51,7 @@ __all__ = [
 
 ADAPTIVE = "adaptive"
 ORACLE = "oracle"
+MAX_INTERVALS = 1_000_000  # the objective keeps a row per decision interval of trace time
 
 
 class ReplayError(ValueError):
@@ -179,6 +180,7 @@ def replay(
     workload = loaded.without_longer_than(fits)
     if not len(workload):
         raise ReplayError(f"{label}: every request is longer than the KV pool ({fits} token slots)")
+    _check_span(workload, policy.interval.total_seconds(), label)
     costs = IntervalCosts.of(workload, server.cost_model)
     results, runs = [], {}
 
@@ -229,6 +231,24 @@ def replay(
         runs=runs,
         warnings=replay_warnings(trace, results, runs, workload, policy),
     )
+
+
+def _check_span(workload: Workload, interval_s: float, label: str) -> None:
+    """Refuse a trace whose arrivals run past `MAX_INTERVALS` decision intervals."""
+    arrivals = workload.arrival_s
+    intervals = float(arrivals[-1]) / interval_s
+    if intervals < MAX_INTERVALS:
+        return
+    problem = (
+        f"{label}: the last request arrives {float(arrivals[-1]):.4g} s into the trace, "
+        f"{intervals:.4g} decision intervals of {interval_s:g} s; a replay holds at most "
+        f"{MAX_INTERVALS:,} (use a longer policy interval, or look for a stray timestamp)"
+    )
+    if len(arrivals) > 1:
+        widest = int(np.argmax(np.diff(arrivals)))
+        gap = float(arrivals[widest + 1] - arrivals[widest])
+        problem += f": the widest gap, {gap:.4g} s, follows the request at {arrivals[widest]:.4g} s"
+    raise ReplayError(problem)
 
 
 def _initial(policy: Policy, requested: int | None) -> int:
