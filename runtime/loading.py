@@ -31,7 +31,14 @@ from blocktune.runtime.model import (
 )
 from blocktune.runtime.tokenizer import Tokenizer
 
-__all__ = ["DTYPES", "LoadedModel", "load_pretrained", "load_weights", "resolve_dtype"]
+__all__ = [
+    "DTYPES",
+    "LoadedModel",
+    "load_pretrained",
+    "load_weights",
+    "random_model",
+    "resolve_dtype",
+]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -103,17 +110,29 @@ def load_weights(
     device: torch.device | str = "cpu",
 ) -> LlamaModel:
     """The model alone, in `dtype` on `device`: `tiny-random` (seeded), a folder or a `.gguf`."""
-    dtype = resolve_dtype(dtype, device)
     if str(source) == "tiny-random":
-        model = LlamaModel(ModelConfig.tiny())
-        _init_random(model, seed)
-        return model.to(dtype=dtype, device=device).eval()
+        return random_model(ModelConfig.tiny(), seed=seed, dtype=dtype, device=device)
+    dtype = resolve_dtype(dtype, device)
     path = Path(source)
     if _is_gguf(path):
         config, state = _read_gguf(path, dtype)
     else:
         config, state = _read_folder(path, dtype)
     return _build(config, state, str(path)).to(device=device).eval()
+
+
+def random_model(
+    config: ModelConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaModel:
+    """A model of `config`'s shape with seeded random weights (norms at one), as tiny-random."""
+    dtype = resolve_dtype(dtype, device)
+    model = LlamaModel(config)
+    _init_random(model, seed)
+    return model.to(dtype=dtype, device=device).eval()
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from blocktune.tuner.cli._common import add_engine_arguments
+from blocktune.tuner.cli._common import add_engine_arguments, load_model_from_args
 from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES
 
 __all__ = ["read_prompts", "register"]
@@ -63,17 +63,18 @@ def run_generate(args: argparse.Namespace) -> int:
     import torch
 
     from blocktune.runtime.engine import Engine, EngineConfig, RequestError, SamplingParams
-    from blocktune.runtime.model import ModelLoadError, load_model
+    from blocktune.runtime.model import ModelLoadError
 
     try:
         requests = read_prompts(args.prompts)
-        model = load_model(args.model, seed=args.seed, device=args.device)
+        model, _ = load_model_from_args(args, device=args.device)
         engine = Engine(
             model,
             EngineConfig(
                 block_size=args.block_size,
                 num_blocks=args.num_blocks,
                 max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len,
                 attention_backend=args.backend,
                 candidate_block_sizes=tuple(

@@ -18,6 +18,7 @@ from blocktune.tuner.cli._common import (
     add_load_arguments,
     load_from_args,
     load_policy_and_calibration,
+    positive_int,
     report_skipped,
 )
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
@@ -30,13 +31,6 @@ if TYPE_CHECKING:
     from blocktune.tuner.core.window import WindowSnapshot
 
 __all__ = ["register"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _kib(value: float) -> str:
@@ -208,14 +202,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--current",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         metavar="B",
         help="the block size in force now, for the switch decision (default: %(default)s)",
     )
     parser.add_argument(
         "--last",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="use only the last N requests, like the online window (default: all)",

@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
     SYNTHETIC,
+    add_calibration_argument,
+    add_day_arguments,
     add_load_arguments,
-    load_from_args,
     load_policy_and_calibration,
-    report_skipped,
+    load_trace_or_day,
 )
 from blocktune.tuner.core.defaults import DEFAULT_POLICY
 
@@ -31,34 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["register"]
 
-DAY_DURATION_S = 86_400.0
-DAY_RATE_SCALE = 0.05  # about 8000 requests: the embedded day replays in a few seconds
 PROGRESS_MIN_REQUESTS = 10_000
-
-
-def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
-    """The request table and a label for it: the embedded day or the TRACE file."""
-    from blocktune.tuner.replay.runner import ReplayError
-
-    if args.trace in (None, SYNTHETIC):
-        from blocktune.traces.synth import customer_service_day
-
-        args.duration = DAY_DURATION_S if args.duration is None else args.duration
-        args.rate_scale = DAY_RATE_SCALE if args.rate_scale is None else args.rate_scale
-        frame = customer_service_day(
-            args.seed, duration_s=args.duration, rate_scale=args.rate_scale
-        )
-        label = (
-            f"synthetic customer-service day (seed {args.seed}, {args.duration:g} s, "
-            f"rate scale {args.rate_scale:g})"
-        )
-        return frame, label
-    for flag, value in (("--duration", args.duration), ("--rate-scale", args.rate_scale)):
-        if value is not None:
-            raise ReplayError(f"{flag} changes the embedded day only, not the trace {args.trace}")
-    loaded = load_from_args(args)
-    report_skipped(loaded)
-    return loaded.frame, f"{Path(args.trace).name} (format {loaded.format})"
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -68,6 +42,7 @@ def run_replay(args: argparse.Namespace) -> int:
     policy interval of trace time) and the hindsight oracle. Prints one row per policy."""
     from blocktune.traces.schema import TraceError
     from blocktune.traces.synth import WorkloadError
+    from blocktune.tuner.cli._common import DayFlagError
     from blocktune.tuner.core.calibration import CalibrationError
     from blocktune.tuner.core.config_files import ConfigError
     from blocktune.tuner.replay.plots import write_plots
@@ -75,8 +50,8 @@ def run_replay(args: argparse.Namespace) -> int:
     from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError, replay
 
     try:
-        policy, calibration = load_policy_and_calibration(args.policy)
-        frame, label = _load(args)
+        policy, calibration = load_policy_and_calibration(args.policy, args.calibration)
+        frame, label = load_trace_or_day(args)
         if args.json != "-":
             _print_setup(frame, label, policy, args.policy, calibration.describe())
         report = replay(
@@ -87,7 +62,14 @@ def run_replay(args: argparse.Namespace) -> int:
             initial_block_size=args.initial_block_size,
             progress=len(frame) >= PROGRESS_MIN_REQUESTS,
         )
-    except (ConfigError, TraceError, CalibrationError, WorkloadError, ReplayError) as exc:
+    except (
+        ConfigError,
+        TraceError,
+        CalibrationError,
+        WorkloadError,
+        ReplayError,
+        DayFlagError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json == "-":
@@ -133,13 +115,6 @@ def _print_setup(
     print(f"calibration: {calibration}", flush=True)
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `replay` to the command line."""
     parser = commands.add_parser(
@@ -176,17 +151,6 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="B",
         help="block size the adaptive policy starts at (default: the candidate nearest 16)",
     )
-    parser.add_argument(
-        "--duration",
-        type=_positive_float,
-        default=None,
-        help=f"embedded day: seconds the day spans (default: {DAY_DURATION_S:g}, a real day)",
-    )
-    parser.add_argument(
-        "--rate-scale",
-        type=_positive_float,
-        default=None,
-        help=f"embedded day: multiplier on every arrival rate (default: {DAY_RATE_SCALE:g}, "
-        "about 8000 requests; 1 is about 163000)",
-    )
+    add_day_arguments(parser)
+    add_calibration_argument(parser)
     parser.set_defaults(handler=run_replay)

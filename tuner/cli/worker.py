@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blocktune.tuner.cli._common import add_engine_arguments
+from blocktune.tuner.cli._common import add_engine_arguments, load_model_from_args
 from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES, DEFAULT_TOKEN_ENV
 
 __all__ = ["register"]
@@ -42,7 +42,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     from blocktune.runtime.engine import Engine, EngineConfig
     from blocktune.runtime.engine_loop import EngineLoop
-    from blocktune.runtime.model import ModelLoadError, load_model
+    from blocktune.runtime.model import ModelLoadError
     from blocktune.tuner.core.config_files import ConfigError
     from blocktune.tuner.core.policy import ServerSettings, load_policy
     from blocktune.tuner.operations import token_from_env
@@ -59,13 +59,14 @@ def run_worker(args: argparse.Namespace) -> int:
     token = token_from_env(token_env)
     try:
         check_bind(args.host, token)
-        model = load_model(args.model, seed=args.seed, device=args.device)
+        model, _ = load_model_from_args(args, device=args.device)
         engine = Engine(
             model,
             EngineConfig(
                 block_size=args.block_size,
                 kv_bytes=args.kv_bytes,
                 max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=args.max_model_len,
                 attention_backend=args.backend,
                 candidate_block_sizes=tuple(sorted({*candidates, args.block_size})),
