@@ -71,8 +71,12 @@ def _message(error: dict[str, Any]) -> str:
     return message
 
 
-def load_yaml_model(path: Path | str, model: type[M]) -> M:
-    """Read `path` with `yaml.safe_load` and validate it as `model`; raise `ConfigError`."""
+def load_yaml_model(path: Path | str, model: type[M], *, context: dict | None = None) -> M:
+    """Read `path` with `yaml.safe_load` and validate it as `model`; raise `ConfigError`.
+
+    `context` reaches the model's validators as pydantic's validation context
+    (for example the folder that relative paths in the file start at).
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -90,7 +94,7 @@ def load_yaml_model(path: Path | str, model: type[M]) -> M:
         kind = "empty" if data is None else f"a {type(data).__name__}"
         raise ConfigError(path, [f"{path}:1: expected a mapping of keys at the top, got {kind}"])
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, context=context)
     except ValidationError as exc:
         problems = []
         for error in exc.errors():

@@ -16,11 +16,19 @@ Each policy's `PolicyResult` has the serving metrics of its run and the
 objective of `replay_objective` (seconds per generated token, as the cost
 model prices it). Requests longer than the smallest candidate's pool could
 never run and are left out (counted in the trace summary).
+
+The policies do not depend on one another: `plan_replay` builds what they
+share once (the workload, the server, the interval costs, the oracle's
+schedule), `ReplayPlan.play` simulates one of them, in any process, and
+`ReplayPlan.report` assembles the report. `replay` does all three in this
+process, one policy after another; `blocktune.tuner.sweep` runs the plays as
+Dask tasks.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,9 +47,13 @@ from blocktune.tuner.replay.workload import EmptyWorkload, Workload
 __all__ = [
     "ADAPTIVE",
     "ORACLE",
+    "Played",
     "PolicyResult",
     "ReplayError",
+    "ReplayPlan",
     "ReplayReport",
+    "plan_replay",
+    "policy_names",
     "replay",
     "static_name",
 ]
@@ -153,7 +165,100 @@ class ReplayReport:
         raise KeyError(name)
 
 
-def replay(
+def policy_names(policy: Policy) -> tuple[str, ...]:
+    """The policies a replay of `policy` plays, in report order: static-B per candidate,
+    adaptive, oracle."""
+    return (*(static_name(size) for size in policy.candidates), ADAPTIVE, ORACLE)
+
+
+@dataclass(frozen=True)
+class Played:
+    """One policy's simulation: its run, the adaptive timeline (empty for the other
+    policies) and the wall-clock seconds it took."""
+
+    run: Run
+    timeline: list[TimelinePoint]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What every policy of one replay shares, built once by `plan_replay`.
+
+    The policies are independent of one another: `play(name)` simulates one
+    of `names` (in any process), and `report` turns the `Played` of each
+    into the `ReplayReport`. `oracle_schedule[i]` is the oracle's size in
+    interval i; `too_long` counts the requests left out because they could
+    never fit the pool.
+    """
+
+    label: str
+    policy: Policy
+    calibration: Calibration
+    server: StepCostModel
+    initial: int
+    workload: Workload
+    too_long: int
+    costs: IntervalCosts
+    oracle_schedule: np.ndarray
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return policy_names(self.policy)
+
+    def play(self, name: str, *, progress: bool = False) -> Played:
+        """Simulate the policy called `name`; `progress` shows a tqdm bar."""
+        size, controller = self._controller(name)
+        start = time.perf_counter()
+        with tqdm(
+            total=len(self.workload), desc=name, unit="req", leave=False, disable=not progress
+        ) as bar:
+            run = simulate(self.workload, self.server, size, controller=controller, progress=bar)
+        timeline = controller.timeline if isinstance(controller, AdaptiveController) else []
+        return Played(run, timeline, time.perf_counter() - start)
+
+    def _controller(self, name: str) -> tuple[int, Controller | None]:
+        """The size the policy starts at and what changes it (None: nothing)."""
+        if name == ADAPTIVE:
+            w = self.workload
+            controller = AdaptiveController(
+                self.policy, self.calibration, w.prompt_tokens, w.output_tokens, w.group
+            )
+            return self.initial, controller
+        if name == ORACLE:
+            schedule = self.oracle_schedule
+            return int(schedule[0]), OracleController(self.costs.interval_s, schedule)
+        for size in self.policy.candidates:
+            if name == static_name(size):
+                return size, None
+        raise ReplayError(f"{name!r} is not a policy of this replay: {', '.join(self.names)}")
+
+    def report(self, played: Mapping[str, Played]) -> ReplayReport:
+        """The report of this replay from the `Played` of every name in `names`."""
+        return ReplayReport(
+            trace=_trace_summary(self.label, self.workload, self.too_long),
+            policy=_policy_summary(self.policy, self.calibration, self.initial),
+            results=[self._result(name, played[name]) for name in self.names],
+            timeline=played[ADAPTIVE].timeline,
+            oracle_schedule=self.oracle_schedule,
+            interval_s=self.costs.interval_s,
+            workload=self.workload,
+            runs={name: played[name].run for name in self.names},
+        )
+
+    def _result(self, name: str, played: Played) -> PolicyResult:
+        run, costs = played.run, self.costs
+        if name == ADAPTIVE:
+            in_force = costs.sizes_in_force(self.initial, run.switches)
+            size, objective = None, costs.schedule(in_force, run.swap_pause_s)
+        elif name == ORACLE:
+            size, objective = None, costs.schedule(self.oracle_schedule)
+        else:
+            size, objective = run.block_size, costs.static(run.block_size)
+        return PolicyResult.of(name, size, run, self.workload, objective, played.seconds)
+
+
+def plan_replay(
     frame: pd.DataFrame,
     policy: Policy,
     calibration: Calibration,
@@ -161,13 +266,12 @@ def replay(
     label: str = "trace",
     initial_block_size: int | None = None,
     fixed_step_s: float | None = None,
-    progress: bool = False,
-) -> ReplayReport:
-    """Replay `frame` (the canonical request table) under every policy; see the module doc.
+) -> ReplayPlan:
+    """The shared part of a replay of `frame` (the canonical request table) under `policy`.
 
     `initial_block_size` is where the adaptive policy starts (default: the
     candidate nearest 16). `fixed_step_s` replaces the calibrated step time
-    (see `StepCostModel`). `progress` shows a tqdm bar per policy.
+    (see `StepCostModel`).
     """
     server = StepCostModel(policy, calibration, fixed_step_s)
     initial = _initial(policy, initial_block_size)
@@ -180,43 +284,40 @@ def replay(
     if not len(workload):
         raise ReplayError(f"{label}: every request is longer than the KV pool ({fits} token slots)")
     costs = IntervalCosts.of(workload, server.cost_model)
-    results, runs = [], {}
-
-    def play(name: str, size: int, controller: Controller | None) -> tuple[Run, float]:
-        start = time.perf_counter()
-        with tqdm(
-            total=len(workload), desc=name, unit="req", leave=False, disable=not progress
-        ) as bar:
-            run = simulate(workload, server, size, controller=controller, progress=bar)
-        runs[name] = run
-        return run, time.perf_counter() - start
-
-    for size in policy.candidates:
-        run, seconds = play(static_name(size), size, None)
-        results.append(
-            PolicyResult.of(static_name(size), size, run, workload, costs.static(size), seconds)
-        )
-    adaptive = AdaptiveController(
-        policy, calibration, workload.prompt_tokens, workload.output_tokens, workload.group
-    )
-    run, seconds = play(ADAPTIVE, initial, adaptive)
-    in_force = costs.sizes_in_force(initial, run.switches)
-    objective = costs.schedule(in_force, run.swap_pause_s)
-    results.append(PolicyResult.of(ADAPTIVE, None, run, workload, objective, seconds))
-    schedule = costs.best_schedule()
-    oracle = OracleController(costs.interval_s, schedule)
-    run, seconds = play(ORACLE, int(schedule[0]), oracle)
-    results.append(PolicyResult.of(ORACLE, None, run, workload, costs.schedule(schedule), seconds))
-    return ReplayReport(
-        trace=_trace_summary(label, workload, len(loaded) - len(workload)),
-        policy=_policy_summary(policy, calibration, initial),
-        results=results,
-        timeline=adaptive.timeline,
-        oracle_schedule=schedule,
-        interval_s=costs.interval_s,
+    return ReplayPlan(
+        label=label,
+        policy=policy,
+        calibration=calibration,
+        server=server,
+        initial=initial,
         workload=workload,
-        runs=runs,
+        too_long=len(loaded) - len(workload),
+        costs=costs,
+        oracle_schedule=costs.best_schedule(),
     )
+
+
+def replay(
+    frame: pd.DataFrame,
+    policy: Policy,
+    calibration: Calibration,
+    *,
+    label: str = "trace",
+    initial_block_size: int | None = None,
+    fixed_step_s: float | None = None,
+    progress: bool = False,
+) -> ReplayReport:
+    """Replay `frame` under every policy, one after another in this process; see the module
+    doc and `plan_replay`. `progress` shows a tqdm bar per policy."""
+    plan = plan_replay(
+        frame,
+        policy,
+        calibration,
+        label=label,
+        initial_block_size=initial_block_size,
+        fixed_step_s=fixed_step_s,
+    )
+    return plan.report({name: plan.play(name, progress=progress) for name in plan.names})
 
 
 def _initial(policy: Policy, requested: int | None) -> int:
