@@ -14,16 +14,20 @@ if TYPE_CHECKING:
     from blocktune.tuner.core.policy import Policy
 
 __all__ = [
-    "SYNTHETIC",
     "add_engine_arguments",
     "add_load_arguments",
     "load_from_args",
     "load_policy_and_calibration",
+    "positive_int",
 ]
 
 
-SYNTHETIC = "synthetic"
-"""The TRACE name that stands for the embedded synthetic customer-service day."""
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def load_from_args(args: argparse.Namespace):

@@ -14,12 +14,12 @@ import sys
 from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
-    SYNTHETIC,
     add_load_arguments,
     load_from_args,
     load_policy_and_calibration,
+    positive_int,
 )
-from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
+from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE, SYNTHETIC_TRACE
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -28,13 +28,6 @@ if TYPE_CHECKING:
     from blocktune.tuner.core.window import WindowSnapshot
 
 __all__ = ["register"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _kib(value: float) -> str:
@@ -94,7 +87,7 @@ def to_json(decision: Decision, snapshot: WindowSnapshot, **extra: object) -> st
 def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     from blocktune.tuner.core.recommendation import RecommendError
 
-    if args.trace == SYNTHETIC:
+    if args.trace == SYNTHETIC_TRACE:
         from blocktune.traces.synth import customer_service_day
 
         frame = customer_service_day(args.seed)
@@ -161,7 +154,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     add_load_arguments(
         parser,
-        trace_help=f"trace file, or '{SYNTHETIC}' for the synthetic customer-service day",
+        trace_help=f"trace file, or '{SYNTHETIC_TRACE}' for the synthetic customer-service day",
         seed_help="seed of the synthetic day or of --rate arrivals (default: 0)",
     )
     parser.add_argument(
@@ -173,14 +166,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--current",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         metavar="B",
         help="the block size in force now, for the switch decision (default: %(default)s)",
     )
     parser.add_argument(
         "--last",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="use only the last N requests, like the online window (default: all)",

@@ -11,51 +11,73 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
-    SYNTHETIC,
     add_load_arguments,
     load_from_args,
     load_policy_and_calibration,
+    positive_int,
 )
-from blocktune.tuner.core.defaults import DEFAULT_POLICY
+from blocktune.tuner.core.defaults import DEFAULT_DAY_RATE_SCALE, DEFAULT_POLICY, SYNTHETIC_TRACE
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from blocktune.tuner.core.calibration import Calibration
     from blocktune.tuner.core.policy import Policy
+    from blocktune.tuner.replay.runner import ReplayReport
 
 __all__ = ["register"]
 
 DAY_DURATION_S = 86_400.0
-DAY_RATE_SCALE = 0.05  # about 8000 requests: the embedded day replays in a few seconds
 PROGRESS_MIN_REQUESTS = 10_000
 
 
 def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     """The request table and a label for it: the embedded day or the TRACE file."""
-    if args.trace in (None, SYNTHETIC):
-        from blocktune.traces.synth import customer_service_day
+    from blocktune.tuner.replay.inputs import embedded_day, file_label, loader_warnings
 
-        frame = customer_service_day(
-            args.seed, duration_s=args.duration, rate_scale=args.rate_scale
-        )
-        label = (
-            f"synthetic customer-service day (seed {args.seed}, {args.duration:g} s, "
-            f"rate scale {args.rate_scale:g})"
-        )
-        return frame, label
+    if args.trace in (None, SYNTHETIC_TRACE):
+        return embedded_day(args.seed, args.duration, args.rate_scale)
     loaded = load_from_args(args)
-    skipped = sum(loaded.skipped.values())
-    if skipped:
-        reasons = ", ".join(f"{reason} {count}" for reason, count in loaded.skipped.items())
-        print(f"skipped {skipped} of {loaded.rows_read} rows: {reasons}", file=sys.stderr)
-    for warning in loaded.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    return loaded.frame, f"{Path(args.trace).name} (format {loaded.format})"
+    for line in loader_warnings(loaded):
+        print(f"warning: {line}", file=sys.stderr)
+    return loaded.frame, file_label(loaded)
+
+
+def _replay(
+    frame: pd.DataFrame, policy: Policy, calibration: Calibration, label: str, args
+) -> ReplayReport:
+    """The replay, its policies in --jobs worker processes (1: here, one after another)."""
+    from blocktune.tuner.replay.runner import replay
+
+    progress = len(frame) >= PROGRESS_MIN_REQUESTS
+    if args.jobs == 1:
+        return replay(
+            frame,
+            policy,
+            calibration,
+            label=label,
+            initial_block_size=args.initial_block_size,
+            progress=progress,
+        )
+    from blocktune.tuner.sweep.executor import dask_client, submit_replay, track
+
+    with dask_client(workers=args.jobs) as client:
+        submitted = submit_replay(
+            client,
+            client.scatter(frame),
+            policy,
+            calibration,
+            label=label,
+            initial_block_size=args.initial_block_size,
+        )
+        track(client, submitted.plays, desc="policies", progress=progress)
+        return submitted.report.result()
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -68,31 +90,28 @@ def run_replay(args: argparse.Namespace) -> int:
     from blocktune.tuner.core.calibration import CalibrationError
     from blocktune.tuner.core.config_files import ConfigError
     from blocktune.tuner.replay.plots import write_plots
-    from blocktune.tuner.replay.report import format_replay_table, report_dict, write_json
-    from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError, replay
+    from blocktune.tuner.replay.report import (
+        format_replay_table,
+        replay_warnings,
+        report_dict,
+        write_json,
+    )
+    from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError
 
     try:
         policy, calibration = load_policy_and_calibration(args.policy)
         frame, label = _load(args)
         if args.json != "-":
             _print_setup(frame, label, policy, args.policy, calibration.describe())
-        report = replay(
-            frame,
-            policy,
-            calibration,
-            label=label,
-            initial_block_size=args.initial_block_size,
-            progress=len(frame) >= PROGRESS_MIN_REQUESTS,
-        )
+        report = _replay(frame, policy, calibration, label, args)
     except (ConfigError, TraceError, CalibrationError, WorkloadError, ReplayError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json == "-":
         print(json.dumps(report_dict(report), indent=2, allow_nan=False))
     else:
-        left_out = report.trace["too_long_for_the_pool"]
-        if left_out:
-            print(f"left out {left_out} requests longer than the KV pool")
+        for line in replay_warnings(report):
+            print(line)
         print(format_replay_table(report))
         switches = report.runs[ADAPTIVE].switches
         steps = ", ".join(f"B={size} at {t:.0f} s" for _, t, size in switches) or "none"
@@ -147,7 +166,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     add_load_arguments(
         parser,
-        trace_help=f"trace file (default, or '{SYNTHETIC}': the embedded customer-service day)",
+        trace_help=f"trace file (default, or '{SYNTHETIC_TRACE}': the embedded "
+        "customer-service day)",
         trace_optional=True,
         seed_help="seed of the embedded day or of --rate arrivals (default: 0)",
     )
@@ -175,6 +195,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="block size the adaptive policy starts at (default: the candidate nearest 16)",
     )
     parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="replay the policies in N worker processes, a local Dask cluster; 1 replays them "
+        "here, one after another (default: the cores, %(default)s)",
+    )
+    parser.add_argument(
         "--duration",
         type=_positive_float,
         default=DAY_DURATION_S,
@@ -183,8 +211,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--rate-scale",
         type=_positive_float,
-        default=DAY_RATE_SCALE,
-        help=f"embedded day: multiplier on every arrival rate (default: {DAY_RATE_SCALE:g}, "
-        "about 8000 requests; 1 is about 163000)",
+        default=DEFAULT_DAY_RATE_SCALE,
+        help="embedded day: multiplier on every arrival rate (default: "
+        f"{DEFAULT_DAY_RATE_SCALE:g}, about 8000 requests; 1 is about 163000)",
     )
     parser.set_defaults(handler=run_replay)

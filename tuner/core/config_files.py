@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["ConfigError", "format_location", "load_yaml_model"]
+__all__ = ["ConfigError", "error_message", "format_location", "load_yaml_model"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -60,7 +60,9 @@ def _line_of(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
     return line
 
 
-def _message(error: dict[str, Any]) -> str:
+def error_message(error: dict[str, Any]) -> str:
+    """The message of one pydantic error (an entry of `ValidationError.errors()`), naming
+    the value it got unless the message already does."""
     value_error = error["type"] == "value_error"
     message = str(error["ctx"]["error"]) if value_error else error["msg"]
     value = error.get("input")
@@ -100,5 +102,5 @@ def load_yaml_model(path: Path | str, model: type[M], *, context: dict | None = 
         for error in exc.errors():
             line = _line_of(root, error["loc"])
             where = f"{path}:{line}" if line is not None else str(path)
-            problems.append(f"{where}: {format_location(error['loc'])}: {_message(error)}")
+            problems.append(f"{where}: {format_location(error['loc'])}: {error_message(error)}")
         raise ConfigError(path, problems) from None

@@ -19,6 +19,7 @@ __all__ = [
     "RESULT_KEYS",
     "comparisons",
     "format_replay_table",
+    "replay_warnings",
     "report_dict",
     "write_json",
 ]
@@ -69,6 +70,14 @@ def report_dict(report: ReplayReport) -> dict:
 def write_json(report: ReplayReport, path: Path) -> None:
     """Write `report_dict(report)` to `path` (indented, strict JSON)."""
     path.write_text(json.dumps(report_dict(report), indent=2, allow_nan=False) + "\n")
+
+
+def replay_warnings(report: ReplayReport) -> list[str]:
+    """What a reader of the replay's figures should know, one line each."""
+    left_out = report.trace["too_long_for_the_pool"]
+    if not left_out:
+        return []
+    return [f"left out {left_out} requests longer than the KV pool"]
 
 
 def comparisons(report: ReplayReport) -> dict[str, float]:
