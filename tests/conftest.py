@@ -1,4 +1,4 @@
-"""Shared fixtures: a real uvicorn server on a free loopback port."""
+"""Shared fixtures: a real uvicorn server on a free loopback port; a sharded replay."""
 
 import contextlib
 import socket
@@ -38,3 +38,22 @@ def serving(app):
 def live_server():
     """`with live_server(app) as url:` runs the app on loopback for the test."""
     return serving
+
+
+def sharded_report(plan, count: int):
+    """The report of `plan` replayed here in `count` time shards, each with its warm-up."""
+    from blocktune.tuner.replay.shards import merge_shards, time_shards
+
+    shards = time_shards(plan, count)
+    played = {}
+    for name in plan.names:
+        parts = [shard.plan(plan).play(name) for shard in shards]
+        alone = [None] + [shard.warmup_plan(plan).play(name) for shard in shards[1:]]
+        played[name] = merge_shards(plan, shards, parts, alone)
+    return plan.report(played)
+
+
+@pytest.fixture
+def replay_in_shards():
+    """`replay_in_shards(plan, count)`: the report of a sharded replay in this process."""
+    return sharded_report

@@ -9,7 +9,9 @@ report. With time shards (`blocktune.tuner.replay.shards`) each policy is
 played once per shard and once per shard's warm-up, then merged. A task's
 inputs travel to a worker once: the request table to where the plan is built,
 the plan to each worker that plays one of its policies. `track` waits for
-futures behind a progress bar and cancels them on Ctrl-C.
+futures behind a progress bar; closing the client (Ctrl-C leaves the
+`dask_client` block) releases every task it submitted, so the scheduler
+cancels those not done.
 """
 
 from __future__ import annotations
@@ -105,15 +107,9 @@ def _submit_shards(
     return played, plays
 
 
-def track(
-    client: Client, futures: Sequence[Future], *, desc: str, progress: bool = True
-) -> None:
-    """Wait until every future is done or failed, behind a tqdm bar; Ctrl-C cancels them all
-    (and raises `KeyboardInterrupt`)."""
-    try:
-        with tqdm(total=len(futures), desc=desc, unit="task", disable=not progress) as bar:
-            for _ in as_completed(futures, loop=client.loop):
-                bar.update()
-    except KeyboardInterrupt:
-        client.cancel(list(futures))
-        raise
+def track(client: Client, futures: Sequence[Future], *, desc: str, progress: bool = True) -> None:
+    """Wait until every future is done or failed, behind a tqdm bar. On Ctrl-C the
+    `KeyboardInterrupt` goes on up: closing the client then cancels what it submitted."""
+    with tqdm(total=len(futures), desc=desc, unit="task", disable=not progress) as bar:
+        for _ in as_completed(futures, loop=client.loop):
+            bar.update()
