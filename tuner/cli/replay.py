@@ -52,7 +52,8 @@ def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
 def _replay(
     frame: pd.DataFrame, policy: Policy, calibration: Calibration, label: str, args
 ) -> ReplayReport:
-    """The replay, its policies in --jobs worker processes (1: here, one after another)."""
+    """The replay, its policies in --jobs worker processes (no more than there are policies;
+    1: here, one after another)."""
     from blocktune.tuner.replay.runner import replay
 
     progress = len(frame) >= PROGRESS_MIN_REQUESTS
@@ -65,9 +66,10 @@ def _replay(
             initial_block_size=args.initial_block_size,
             progress=progress,
         )
+    from blocktune.tuner.replay.runner import policy_names
     from blocktune.tuner.sweep.executor import dask_client, submit_replay, track
 
-    with dask_client(workers=args.jobs) as client:
+    with dask_client(workers=min(args.jobs, len(policy_names(policy)))) as client:
         submitted = submit_replay(
             client,
             client.scatter(frame),

@@ -31,6 +31,7 @@ def write_plots(rows: pd.DataFrame, folder: Path) -> list[Path]:
                 line = line.set_index("setting").objective.reindex(settings)
                 axes.plot(settings, line.to_numpy(dtype=float) * 1e6, marker="o", label=replayed)
             axes.set_title(str(policy))
+            axes.set_yscale("log")
             axes.set_ylabel("objective [us per generated token]")
             axes.tick_params(axis="x", labelrotation=30)
         panels[-1].legend(fontsize="small")
