@@ -42,14 +42,18 @@ def live_server():
 
 def sharded_report(plan, count: int):
     """The report of `plan` replayed here in `count` time shards, each with its warm-up."""
+    from blocktune.tuner.replay.runner import ORACLE
     from blocktune.tuner.replay.shards import merge_shards, time_shards
 
     shards = time_shards(plan, count)
-    played = {}
-    for name in plan.names:
-        parts = [shard.plan(plan).play(name) for shard in shards]
-        alone = [None] + [shard.warmup_plan(plan).play(name) for shard in shards[1:]]
-        played[name] = merge_shards(plan, shards, parts, alone)
+
+    def merged(play, *args):
+        parts = [play(shard.plan(plan), *args) for shard in shards]
+        alone = [None] + [play(shard.warmup_plan(plan), *args) for shard in shards[1:]]
+        return merge_shards(plan, shards, parts, alone)
+
+    played = {name: merged(type(plan).play, name) for name in plan.names[:-1]}
+    played[ORACLE] = merged(type(plan).play_oracle, plan.oracle_schedule(played))
     return plan.report(played)
 
 

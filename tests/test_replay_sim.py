@@ -12,10 +12,10 @@ from blocktune.tuner.core.block_replay import replay_block_manager
 from blocktune.tuner.core.calibration import analytic_calibration
 from blocktune.tuner.core.cost_model import CostModel
 from blocktune.tuner.core.policy import Policy, load_policy
+from blocktune.tuner.core.simulator import simulate
+from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.core.workload import Workload
 from blocktune.tuner.replay.controllers import OracleController
-from blocktune.tuner.replay.simulator import simulate
-from blocktune.tuner.replay.step_cost import StepCostModel
-from blocktune.tuner.replay.workload import Workload
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
 POLICY = load_policy(POLICIES / "customer_service_llama8b.yaml")
@@ -179,11 +179,14 @@ def test_switches_keep_conservation_and_the_pool_limit():
     assert run.peak_kv_bytes <= int(policy.kv_budget)
 
 
-def test_swap_pause_is_the_selectors_swap_cost():
-    """A shrink moves nothing; a grow copies grow_copy_fraction of the live K and V at the
-    calibrated copy bandwidth."""
-    for fraction in (1.0, 0.25, 0.0):
-        server = StepCostModel(with_budget(4096, grow_copy_fraction=fraction), CALIBRATION)
-        expected = 1000 * SLOT * fraction / CALIBRATION.copy_bandwidth_bytes_per_s
-        assert server.swap_pause_s(1000, 8, 32) == pytest.approx(expected)
-        assert server.swap_pause_s(1000, 32, 8) == 0.0
+def test_swap_pause_is_the_plans_copy_plus_the_engines_pause():
+    """A swap costs the policy's pause plus the planned bytes at the copy bandwidth; for vLLM
+    the pause is a restart."""
+    policy = with_budget(4096, swap_pause="20ms")
+    server = StepCostModel(policy, CALIBRATION)
+    assert server.swap_pause_s() == pytest.approx(0.02)
+    moved = 1000 * SLOT
+    expected = 0.02 + moved / CALIBRATION.copy_bandwidth_bytes_per_s
+    assert server.swap_pause_s(moved) == pytest.approx(expected)
+    vllm = with_budget(4096, engine="vllm", candidates=[16, 32, 64], restart="45s")
+    assert StepCostModel(vllm, CALIBRATION).swap_pause_s() == pytest.approx(45.0)

@@ -40,9 +40,16 @@ PROGRESS_MIN_REQUESTS = 10_000
 def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     """The request table and a label for it: the embedded day or the TRACE file."""
     from blocktune.tuner.replay.inputs import embedded_day, file_label, loader_warnings
+    from blocktune.tuner.replay.runner import ReplayError
 
     if args.trace in (None, SYNTHETIC_TRACE):
+        args.duration = DAY_DURATION_S if args.duration is None else args.duration
+        scale = DEFAULT_DAY_RATE_SCALE if args.rate_scale is None else args.rate_scale
+        args.rate_scale = scale
         return embedded_day(args.seed, args.duration, args.rate_scale)
+    for flag, value in (("--duration", args.duration), ("--rate-scale", args.rate_scale)):
+        if value is not None:
+            raise ReplayError(f"{flag} changes the embedded day only, not the trace {args.trace}")
     loaded = load_from_args(args)
     for line in loader_warnings(loaded):
         print(f"warning: {line}", file=sys.stderr)
@@ -92,12 +99,7 @@ def run_replay(args: argparse.Namespace) -> int:
     from blocktune.tuner.core.calibration import CalibrationError
     from blocktune.tuner.core.config_files import ConfigError
     from blocktune.tuner.replay.plots import write_plots
-    from blocktune.tuner.replay.report import (
-        format_replay_table,
-        replay_warnings,
-        report_dict,
-        write_json,
-    )
+    from blocktune.tuner.replay.report import format_replay_table, report_dict, write_json
     from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError
 
     try:
@@ -112,9 +114,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(json.dumps(report_dict(report), indent=2, allow_nan=False))
     else:
-        for line in replay_warnings(report):
-            print(line)
         print(format_replay_table(report))
+        for warning in report.warnings:
+            print(f"warning: {warning}")
         switches = report.runs[ADAPTIVE].switches
         steps = ", ".join(f"B={size} at {t:.0f} s" for _, t, size in switches) or "none"
         print(f"adaptive: starts at B={report.policy['initial_block_size']}; switches: {steps}")
@@ -207,13 +209,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--duration",
         type=_positive_float,
-        default=DAY_DURATION_S,
+        default=None,
         help=f"embedded day: seconds the day spans (default: {DAY_DURATION_S:g}, a real day)",
     )
     parser.add_argument(
         "--rate-scale",
         type=_positive_float,
-        default=DEFAULT_DAY_RATE_SCALE,
+        default=None,
         help="embedded day: multiplier on every arrival rate (default: "
         f"{DEFAULT_DAY_RATE_SCALE:g}, about 8000 requests; 1 is about 163000)",
     )

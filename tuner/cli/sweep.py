@@ -4,8 +4,9 @@ Every point of the spec (trace x policy x setting) is replayed under every
 block-size policy (static-B, adaptive, oracle) as Dask tasks, on a
 `LocalCluster` of one process per core or, with ``--scheduler``, on a running
 cluster. Writes ``DIR/results.parquet`` (one row per point and replayed
-policy) and one ``objective-<n>.png`` per trace, and prints per trace and
-policy the best setting and block size and the adaptive policy's gain there.
+policy) and one ``goal-<n>.png`` per trace, and prints per trace and policy
+the best setting and block size on the policy's goal and how the adaptive
+policy compares there.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     """Replay every trace of SPEC under every policy and every setting of its grid (static
     block sizes, the adaptive tuner and the hindsight oracle each), as Dask tasks on a local
     cluster or on the one at --scheduler. Writes DIR/results.parquet and a plot per trace,
-    and prints per trace the best setting and block size and the adaptive policy's gain.
+    and prints per trace and policy the best setting and block size on the policy's goal and
+    the adaptive policy's goal value there over that size's.
     Exits 1 when some point failed (the others are written), 130 on Ctrl-C."""
     from blocktune.tuner.core.calibration import CalibrationError
     from blocktune.tuner.core.config_files import ConfigError

@@ -172,14 +172,13 @@ class CostModel:
         """Token slots of the KV budget in whole blocks of `block_size`."""
         return int(self.policy.kv_budget) // (block_size * self._slot_bytes) * block_size
 
-    def swap_cost_s(self, live_tokens: float, old_block_size: int, new_block_size: int) -> float:
-        """Modelled pause of a block-size swap: a shrink moves nothing (each old block is a
-        run of new ones); a grow copies `policy.grow_copy_fraction` (1.0 by default, an upper
-        bound) of the live tokens' K and V at the calibrated copy bandwidth."""
-        if new_block_size <= old_block_size:
-            return 0.0
-        moved = live_tokens * self._slot_bytes * self.policy.grow_copy_fraction
-        return moved / self.calibration.copy_bandwidth_bytes_per_s
+    def switch_cost_s(self, bytes_moved: int = 0) -> float:
+        """Serving time lost to one change of the block size whose plan moves `bytes_moved`
+        bytes of K and V: the policy's pause (a live swap, or a vLLM restart) plus the copy
+        at the calibrated bandwidth. A shrink moves nothing, and so does a grow whose
+        blocks lie in aligned runs, as blocktune's allocator keeps them."""
+        copy_s = bytes_moved / self.calibration.copy_bandwidth_bytes_per_s
+        return self.policy.switch_cost_s + copy_s
 
     def costs(
         self,

@@ -37,8 +37,8 @@ from itertools import pairwise
 
 import numpy as np
 
+from blocktune.tuner.core.simulator import Run
 from blocktune.tuner.replay.runner import Played, ReplayError, ReplayPlan
-from blocktune.tuner.replay.simulator import Run
 
 __all__ = ["Shard", "merge_shards", "time_shards"]
 
@@ -54,7 +54,7 @@ class Shard:
 
     def plan(self, plan: ReplayPlan) -> ReplayPlan:
         """The shard's part of `plan`: its requests and the warm-up's, with the whole
-        replay's interval costs and oracle schedule."""
+        replay's interval costs."""
         return replace(plan, workload=plan.workload.arriving_in(self.warmup_s, self.end_s))
 
     def warmup_plan(self, plan: ReplayPlan) -> ReplayPlan | None:

@@ -4,8 +4,9 @@
 starts a `LocalCluster` of worker processes with one thread each: the
 simulator is pure Python, so processes, not threads, run it in parallel.
 `submit_replay` puts one replay on the cluster as tasks: its `ReplayPlan`
-once, one `ReplayPlan.play` per policy (static-B, adaptive, oracle) and the
-report. With time shards (`blocktune.tuner.replay.shards`) each policy is
+once, one `ReplayPlan.play` per static size and one for the adaptive policy,
+then the oracle's schedule from the static runs and its play, and the report.
+With time shards (`blocktune.tuner.replay.shards`) each policy is
 played once per shard and once per shard's warm-up, then merged. A task's
 inputs travel to a worker once: the request table to where the plan is built,
 the plan to each worker that plays one of its policies. `track` waits for
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from blocktune.tuner.core.calibration import Calibration
 from blocktune.tuner.core.policy import Policy
-from blocktune.tuner.replay.runner import ReplayPlan, plan_replay, policy_names
+from blocktune.tuner.replay.runner import ORACLE, Played, ReplayPlan, plan_replay, policy_names
 from blocktune.tuner.replay.shards import Shard, merge_shards, time_shards
 
 __all__ = ["SubmittedReplay", "dask_client", "submit_replay", "track"]
@@ -81,29 +82,38 @@ def submit_replay(
         label=label,
         initial_block_size=initial_block_size,
     )
-    names = policy_names(policy)
+    alone = policy_names(policy)[:-1]  # the oracle follows the static runs
     if shards == 1:
-        played = {name: client.submit(ReplayPlan.play, plan, name) for name in names}
+        played = {name: client.submit(ReplayPlan.play, plan, name) for name in alone}
+        schedule = client.submit(ReplayPlan.oracle_schedule, plan, played)
+        played[ORACLE] = client.submit(ReplayPlan.play_oracle, plan, schedule)
         plays = list(played.values())
     else:
-        played, plays = _submit_shards(client, plan, names, shards)
+        played, plays = _submit_shards(client, plan, alone, shards)
     return SubmittedReplay(client.submit(ReplayPlan.report, plan, played), plays)
 
 
 def _submit_shards(
-    client: Client, plan: Future, names: Sequence[str], count: int
+    client: Client, plan: Future, alone: Sequence[str], count: int
 ) -> tuple[dict[str, Future], list[Future]]:
-    """Per policy, the futures of the merged play and of the plays of every shard."""
+    """Per policy, the future of its merged play; and the futures of every shard's plays."""
     cuts = client.submit(time_shards, plan, count)
     shards = [client.submit(operator.getitem, cuts, k) for k in range(count)]
     parts = [client.submit(Shard.plan, shard, plan) for shard in shards]
     warmups = [client.submit(Shard.warmup_plan, shard, plan) for shard in shards[1:]]
     played, plays = {}, []
-    for name in names:
-        whole = [client.submit(ReplayPlan.play, part, name) for part in parts]
-        alone = [client.submit(ReplayPlan.play, warmup, name) for warmup in warmups]
-        plays += whole + alone
-        played[name] = client.submit(merge_shards, plan, cuts, whole, [None, *alone])
+
+    def merged(play: Callable[..., Played], *args: object) -> Future:
+        """`play(shard plan, *args)` for every shard and warm-up, and their merge."""
+        whole = [client.submit(play, part, *args) for part in parts]
+        warm = [client.submit(play, warmup, *args) for warmup in warmups]
+        plays.extend(whole + warm)
+        return client.submit(merge_shards, plan, cuts, whole, [None, *warm])
+
+    for name in alone:
+        played[name] = merged(ReplayPlan.play, name)
+    schedule = client.submit(ReplayPlan.oracle_schedule, plan, played)
+    played[ORACLE] = merged(ReplayPlan.play_oracle, schedule)
     return played, plays
 
 

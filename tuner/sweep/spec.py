@@ -14,13 +14,13 @@ Example::
 
 A trace entry takes the fields of `TraceInput` and `shards` (time shards with
 a warm-up, `blocktune.tuner.replay.shards`). The grid's keys are the policy
-settings a replay depends on (`GRID_KEYS`), each with a list of values written
-as in a policy; a section (``model``, ``window``) replaces the policy's whole
-section. Without a grid, each policy is replayed as written. Relative paths
-(traces, policy files, calibrations in the grid) start at the spec file's
-folder. Every problem is reported with its file, line and key path, a grid
-setting that makes a policy invalid (a budget that holds no block of the
-largest candidate) too.
+settings a replay depends on (`GRID_KEYS`: all but `NOT_IN_REPLAYS`), each
+with a list of values written as in a policy; a section (``model``,
+``window``, ``slo``) replaces the policy's whole section. Without a grid,
+each policy is replayed as written. Relative paths (traces, policy files,
+calibrations in the grid) start at the spec file's folder. Every problem is
+reported with its file, line and key path, a grid setting that makes a policy
+invalid (a budget that holds no block of the largest candidate) too.
 
 `load_sweep(path)` validates the file and returns its `SweepPoint`s: every
 trace file x policy x setting.
@@ -58,20 +58,22 @@ from blocktune.tuner.core.defaults import SYNTHETIC_TRACE
 from blocktune.tuner.core.policy import Policy, load_policy, policy_path
 from blocktune.tuner.replay.inputs import TraceInput, day_label
 
-__all__ = ["GRID_KEYS", "Grid", "Setting", "SweepPoint", "SweepSpec", "SweepTrace", "load_sweep"]
+__all__ = [
+    "GRID_KEYS",
+    "NOT_IN_REPLAYS",
+    "Grid",
+    "Setting",
+    "SweepPoint",
+    "SweepSpec",
+    "SweepTrace",
+    "load_sweep",
+]
 
-GRID_KEYS = (
-    "model",
-    "kv_budget",
-    "candidates",
-    "window",
-    "interval",
-    "min_dwell",
-    "safety_factor",
-    "grow_copy_fraction",
-    "calibration",
-)
-"""The policy settings a grid may vary: those a replay depends on."""
+NOT_IN_REPLAYS = ("deployment", "mode", "sources", "server", "auth", "actuator")
+"""The policy fields a replay does not read: the name and the sidecar's sections."""
+
+GRID_KEYS = tuple(name for name in Policy.model_fields if name not in NOT_IN_REPLAYS)
+"""The policy settings a grid may vary: every one a replay depends on."""
 
 AS_WRITTEN = "as written"
 """The name of the one setting of an empty grid: the policy unchanged."""
