@@ -1,4 +1,5 @@
-"""Shared fixtures: a real uvicorn server, configured as the services are, on a free port."""
+"""Shared fixtures: a real uvicorn server, configured as the services are, on a free port;
+a sharded replay."""
 
 import contextlib
 import socket
@@ -42,3 +43,26 @@ def serving(app, settings: ServerSettings = ServerSettings()):  # noqa: B008 - f
 def live_server():
     """`with live_server(app) as url:` runs the app on loopback for the test."""
     return serving
+
+
+def sharded_report(plan, count: int):
+    """The report of `plan` replayed here in `count` time shards, each with its warm-up."""
+    from blocktune.tuner.replay.runner import ORACLE
+    from blocktune.tuner.replay.shards import merge_shards, time_shards
+
+    shards = time_shards(plan, count)
+
+    def merged(play, *args):
+        parts = [play(shard.plan(plan), *args) for shard in shards]
+        alone = [None] + [play(shard.warmup_plan(plan), *args) for shard in shards[1:]]
+        return merge_shards(plan, shards, parts, alone)
+
+    played = {name: merged(type(plan).play, name) for name in plan.names[:-1]}
+    played[ORACLE] = merged(type(plan).play_oracle, plan.oracle_schedule(played))
+    return plan.report(played)
+
+
+@pytest.fixture
+def replay_in_shards():
+    """`replay_in_shards(plan, count)`: the report of a sharded replay in this process."""
+    return sharded_report

@@ -14,14 +14,13 @@ import sys
 from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
-    SYNTHETIC,
     add_load_arguments,
     load_from_args,
     load_policy_and_calibration,
     positive_int,
     report_skipped,
 )
-from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
+from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE, SYNTHETIC_TRACE
 from blocktune.tuner.core.text_table import text_table
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ def to_json(decision: Decision, snapshot: WindowSnapshot, **extra: object) -> st
 def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     from blocktune.tuner.core.recommendation import RecommendError
 
-    if args.trace == SYNTHETIC:
+    if args.trace == SYNTHETIC_TRACE:
         from blocktune.traces.synth import customer_service_day
 
         frame = customer_service_day(args.seed)
@@ -190,7 +189,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     add_load_arguments(
         parser,
-        trace_help=f"trace file, or '{SYNTHETIC}' for the synthetic customer-service day",
+        trace_help=f"trace file, or '{SYNTHETIC_TRACE}' for the synthetic customer-service day",
         seed_help="seed of the synthetic day or of --rate arrivals (default: 0)",
     )
     parser.add_argument(

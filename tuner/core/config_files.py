@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["MAX_PROBLEMS", "ConfigError", "format_location", "load_yaml_model"]
+__all__ = ["MAX_PROBLEMS", "ConfigError", "error_message", "format_location", "load_yaml_model"]
 
 M = TypeVar("M", bound=BaseModel)
 MAX_PROBLEMS = 20
@@ -90,7 +90,7 @@ class _NodeTree:
         return line
 
 
-def _message(error: dict[str, Any]) -> str:
+def error_message(error: dict[str, Any]) -> str:
     value_error = error["type"] == "value_error"
     message = str(error["ctx"]["error"]) if value_error else error["msg"]
     value = error.get("input")
@@ -136,8 +136,12 @@ def _capped(path: Path, problems: list[str], total: int) -> list[str]:
     return [*problems[:MAX_PROBLEMS], f"{path}: ... and {total - MAX_PROBLEMS} more"]
 
 
-def load_yaml_model(path: Path | str, model: type[M]) -> M:
-    """Read `path` (UTF-8 YAML) and validate it as `model`; raise `ConfigError`."""
+def load_yaml_model(path: Path | str, model: type[M], *, context: dict | None = None) -> M:
+    """Read `path` (UTF-8 YAML) and validate it as `model`; raise `ConfigError`.
+
+    `context` reaches the model's validators as pydantic's validation context
+    (for example the folder that relative paths in the file start at).
+    """
     path = Path(path)
     root, data = _parse(path, _read_text(path))
     if not isinstance(data, dict):
@@ -151,12 +155,13 @@ def load_yaml_model(path: Path | str, model: type[M]) -> M:
     ]
     total = len(tree.repeats)
     try:
-        result = model.model_validate(data)
+        result = model.model_validate(data, context=context)
     except ValidationError as exc:
         total += exc.error_count()
         for error in exc.errors()[: max(0, MAX_PROBLEMS + 1 - len(problems))]:
             line = tree.line_of(error["loc"])
-            problems.append(f"{path}:{line}: {format_location(error['loc'])}: {_message(error)}")
+            where = f"{path}:{line}: {format_location(error['loc'])}"
+            problems.append(f"{where}: {error_message(error)}")
     if problems:
         raise ConfigError(path, _capped(path, problems, total))
     return result
