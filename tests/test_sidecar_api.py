@@ -13,7 +13,11 @@ from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import MAX_OBSERVATIONS
 
-POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
+# The default policy with a KV budget small enough to fill (384 token slots): there the block
+# size matters, and a promotion burst's short requests serve best at B=8.
+POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml").model_copy(
+    update={"kv_budget": 48 * 2**20}
+)
 TOKEN = "sidecar-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -141,8 +145,11 @@ def test_token_size_and_validation_errors(live_server):
         assert "nothing was applied" in response.json()["detail"]
         bad_shape = httpx.post(f"{url}/v1/observations", json={"rows": []}, headers=AUTH)
         assert bad_shape.status_code == 422 and "got an object" in bad_shape.json()["detail"]
-        not_json = httpx.post(f"{url}/v1/observations", content=b"[{", headers=AUTH)
-        assert not_json.status_code == 400
+        json_type = {**AUTH, "content-type": "application/json"}
+        not_json = httpx.post(f"{url}/v1/observations", content=b"[{", headers=json_type)
+        assert not_json.status_code == 400 and "not standard JSON" in not_json.json()["detail"]
+        empty = httpx.post(f"{url}/v1/observations", headers=json_type)
+        assert empty.status_code == 400 and "the body is empty" in empty.json()["detail"]
 
         # Nothing of the rejected batches reached the window; each is a push source error.
         assert httpx.get(f"{url}/v1/window").json()["count"] == 0

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from blocktune.tuner.core.defaults import DEFAULT_DAY_RATE_SCALE, SYNTHETIC_TRACE
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
     from blocktune.tuner.core.policy import Policy
 
 __all__ = [
-    "SYNTHETIC",
+    "DayFlagError",
     "add_calibration_argument",
     "add_day_arguments",
     "add_engine_arguments",
@@ -32,15 +34,20 @@ __all__ = [
     "load_policy_and_calibration",
     "load_trace_or_day",
     "positive_int",
+    "report_skipped",
     "set_threads",
 ]
 
 
-SYNTHETIC = "synthetic"
-"""The TRACE name that stands for the embedded synthetic customer-service day."""
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
 
 DAY_DURATION_S = 86_400.0
-DAY_RATE_SCALE = 0.05  # about 8000 requests: the embedded day replays in a few seconds
 
 SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads")
 """The keys of `--model-shape`; kv_heads may be left out (then it equals heads)."""
@@ -62,6 +69,14 @@ def load_from_args(args: argparse.Namespace):
         output_col=args.output_col,
         chunksize=args.chunksize,
     )
+
+
+def report_skipped(loaded) -> None:
+    """Print to stderr the rows a load skipped, by reason, and its warnings."""
+    from blocktune.tuner.replay.inputs import loader_warnings
+
+    for line in loader_warnings(loaded):
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def add_load_arguments(
@@ -120,14 +135,6 @@ def add_load_arguments(
     )
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def block_size_arg(text: str) -> int:
     """An argparse type: a block size, a power of two."""
     from blocktune.kernels import is_power_of_two
@@ -150,41 +157,40 @@ def add_day_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--duration",
         type=_positive_float,
-        default=DAY_DURATION_S,
+        default=None,
         help=f"embedded day: seconds the day spans (default: {DAY_DURATION_S:g}, a real day)",
     )
     parser.add_argument(
         "--rate-scale",
         type=_positive_float,
-        default=DAY_RATE_SCALE,
-        help=f"embedded day: multiplier on every arrival rate (default: {DAY_RATE_SCALE:g}, "
-        "about 8000 requests; 1 is about 163000)",
+        default=None,
+        help="embedded day: multiplier on every arrival rate (default: "
+        f"{DEFAULT_DAY_RATE_SCALE:g}, about 8000 requests; 1 is about 163000)",
     )
+
+
+class DayFlagError(ValueError):
+    """A flag of the embedded day given with a trace file."""
 
 
 def load_trace_or_day(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     """The request table and a label for it: the embedded day (TRACE absent or
-    `SYNTHETIC`, scaled by `add_day_arguments`) or the TRACE file, whose skipped rows and
-    warnings are printed to standard error. Raises `TraceError` or `WorkloadError`."""
-    if args.trace in (None, SYNTHETIC):
-        from blocktune.traces.synth import customer_service_day
+    `SYNTHETIC_TRACE`, scaled by `add_day_arguments`) or the TRACE file, whose skipped rows
+    and warnings are printed to standard error. The day's flags on a file are an error.
+    Raises `TraceError`, `WorkloadError` or `DayFlagError`."""
+    from blocktune.tuner.replay.inputs import embedded_day, file_label
 
-        frame = customer_service_day(
-            args.seed, duration_s=args.duration, rate_scale=args.rate_scale
-        )
-        label = (
-            f"synthetic customer-service day (seed {args.seed}, {args.duration:g} s, "
-            f"rate scale {args.rate_scale:g})"
-        )
-        return frame, label
+    if args.trace in (None, SYNTHETIC_TRACE):
+        args.duration = DAY_DURATION_S if args.duration is None else args.duration
+        scale = DEFAULT_DAY_RATE_SCALE if args.rate_scale is None else args.rate_scale
+        args.rate_scale = scale
+        return embedded_day(args.seed, args.duration, args.rate_scale)
+    for flag, value in (("--duration", args.duration), ("--rate-scale", args.rate_scale)):
+        if value is not None:
+            raise DayFlagError(f"{flag} changes the embedded day only, not the trace {args.trace}")
     loaded = load_from_args(args)
-    skipped = sum(loaded.skipped.values())
-    if skipped:
-        reasons = ", ".join(f"{reason} {count}" for reason, count in loaded.skipped.items())
-        print(f"skipped {skipped} of {loaded.rows_read} rows: {reasons}", file=sys.stderr)
-    for warning in loaded.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    return loaded.frame, f"{Path(args.trace).name} (format {loaded.format})"
+    report_skipped(loaded)
+    return loaded.frame, file_label(loaded)
 
 
 def add_calibration_argument(parser: argparse.ArgumentParser) -> None:

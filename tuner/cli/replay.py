@@ -11,28 +11,65 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
-    SYNTHETIC,
+    DayFlagError,
     add_calibration_argument,
     add_day_arguments,
     add_load_arguments,
     load_policy_and_calibration,
     load_trace_or_day,
+    positive_int,
 )
-from blocktune.tuner.core.defaults import DEFAULT_POLICY
+from blocktune.tuner.core.defaults import DEFAULT_POLICY, SYNTHETIC_TRACE
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from blocktune.tuner.core.calibration import Calibration
     from blocktune.tuner.core.policy import Policy
+    from blocktune.tuner.replay.runner import ReplayReport
 
 __all__ = ["register"]
 
 PROGRESS_MIN_REQUESTS = 10_000
+
+
+def _replay(
+    frame: pd.DataFrame, policy: Policy, calibration: Calibration, label: str, args
+) -> ReplayReport:
+    """The replay, its policies in --jobs worker processes (no more than there are policies;
+    1: here, one after another)."""
+    from blocktune.tuner.replay.runner import replay
+
+    progress = len(frame) >= PROGRESS_MIN_REQUESTS
+    if args.jobs == 1:
+        return replay(
+            frame,
+            policy,
+            calibration,
+            label=label,
+            initial_block_size=args.initial_block_size,
+            progress=progress,
+        )
+    from blocktune.tuner.replay.runner import policy_names
+    from blocktune.tuner.sweep.executor import dask_client, submit_replay, track
+
+    with dask_client(workers=min(args.jobs, len(policy_names(policy)))) as client:
+        submitted = submit_replay(
+            client,
+            client.scatter(frame),
+            policy,
+            calibration,
+            label=label,
+            initial_block_size=args.initial_block_size,
+        )
+        track(client, submitted.plays, desc="policies", progress=progress)
+        return submitted.report.result()
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -46,31 +83,30 @@ def run_replay(args: argparse.Namespace) -> int:
     from blocktune.tuner.core.config_files import ConfigError
     from blocktune.tuner.replay.plots import write_plots
     from blocktune.tuner.replay.report import format_replay_table, report_dict, write_json
-    from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError, replay
+    from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError
 
     try:
         policy, calibration = load_policy_and_calibration(args.policy, args.calibration)
         frame, label = load_trace_or_day(args)
         if args.json != "-":
             _print_setup(frame, label, policy, args.policy, calibration.describe())
-        report = replay(
-            frame,
-            policy,
-            calibration,
-            label=label,
-            initial_block_size=args.initial_block_size,
-            progress=len(frame) >= PROGRESS_MIN_REQUESTS,
-        )
-    except (ConfigError, TraceError, CalibrationError, WorkloadError, ReplayError) as exc:
+        report = _replay(frame, policy, calibration, label, args)
+    except (
+        ConfigError,
+        TraceError,
+        CalibrationError,
+        WorkloadError,
+        ReplayError,
+        DayFlagError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json == "-":
         print(json.dumps(report_dict(report), indent=2, allow_nan=False))
     else:
-        left_out = report.trace["too_long_for_the_pool"]
-        if left_out:
-            print(f"left out {left_out} requests longer than the KV pool")
         print(format_replay_table(report))
+        for warning in report.warnings:
+            print(f"warning: {warning}")
         switches = report.runs[ADAPTIVE].switches
         steps = ", ".join(f"B={size} at {t:.0f} s" for _, t, size in switches) or "none"
         print(f"adaptive: starts at B={report.policy['initial_block_size']}; switches: {steps}")
@@ -117,7 +153,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     add_load_arguments(
         parser,
-        trace_help=f"trace file (default, or '{SYNTHETIC}': the embedded customer-service day)",
+        trace_help=f"trace file (default, or '{SYNTHETIC_TRACE}': the embedded "
+        "customer-service day)",
         trace_optional=True,
         seed_help="seed of the embedded day or of --rate arrivals (default: 0)",
     )
@@ -143,6 +180,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=int,
         metavar="B",
         help="block size the adaptive policy starts at (default: the candidate nearest 16)",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="replay the policies in N worker processes, a local Dask cluster; 1 replays them "
+        "here, one after another (default: the cores, %(default)s)",
     )
     add_day_arguments(parser)
     add_calibration_argument(parser)

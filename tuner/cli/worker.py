@@ -44,6 +44,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.model import ModelLoadError
     from blocktune.tuner.core.config_files import ConfigError
+    from blocktune.tuner.core.policy import ServerSettings, load_policy
     from blocktune.tuner.operations import token_from_env
     from blocktune.tuner.serving.http import InsecureBind, check_bind
     from blocktune.tuner.serving.worker_app import LengthPusher, serve_worker
@@ -51,6 +52,7 @@ def run_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         candidates, token_env = candidates_and_token_env(args)
+        server = load_policy(args.policy).server if args.policy else ServerSettings()
     except ConfigError as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
@@ -79,7 +81,7 @@ def run_worker(args: argparse.Namespace) -> int:
         pusher = LengthPusher(args.sidecar, token_from_env(args.sidecar_token_env))
         engine.add_listener(pusher.observe)
         pusher.start()
-    serve_worker(loop, host=args.host, port=args.port, token=token, pusher=pusher)
+    serve_worker(loop, host=args.host, port=args.port, token=token, pusher=pusher, server=server)
     return 0
 
 
@@ -101,7 +103,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--policy",
         default=None,
-        help="a deployment policy: its candidates and auth.token_env are the defaults here",
+        help="a deployment policy: its candidates and auth.token_env are the defaults here, "
+        "and its server section's read_timeout, keep_alive and max_connections apply",
     )
     parser.add_argument(
         "--candidates",

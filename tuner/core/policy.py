@@ -29,7 +29,8 @@ Example::
       vllm_metrics: {url: "http://127.0.0.1:8000/metrics", interval: 15s}
       jsonl_log: {path: requests.jsonl, prompt_field: usage.prompt_tokens,
                   output_field: usage.completion_tokens}
-    server: {host: 127.0.0.1, port: 8787, state_file: blocktune-state.json}
+    server: {host: 127.0.0.1, port: 8787, state_file: blocktune-state.json,
+             read_timeout: 10s, keep_alive: 5s, max_connections: 512}
     auth: {token_env: BLOCKTUNE_TOKEN}      # bearer token of the mutating endpoints
     actuator: {kind: none}    # or {kind: http, url: "http://127.0.0.1:8000"}: a worker
 """
@@ -65,13 +66,17 @@ from blocktune.tuner.core.defaults import (
 
 __all__ = [
     "DTYPE_BYTES",
+    "MAX_BLOCK_SIZE",
     "ActuatorSettings",
     "AuthSettings",
+    "BatchSettings",
+    "BlockSize",
     "JsonlLogSettings",
     "ModelShape",
     "Policy",
     "Section",
     "ServerSettings",
+    "SloSettings",
     "Sources",
     "VllmMetricsSettings",
     "WindowSettings",
@@ -85,17 +90,21 @@ __all__ = [
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+# Upper bounds: larger values are mistakes, and some would exhaust memory or overflow.
+MAX_DURATION = timedelta(days=365)
+MAX_BLOCK_SIZE = 1 << 16
+MAX_KV_BUDGET = 1 << 50  # 1 PiB
+MAX_WINDOW_CAPACITY = 1_000_000  # rows of the length window, allocated at start
 
 
 def parse_duration(value: object) -> object:
-    """'5m', '30s', '1h30m', '250ms' or a number of seconds -> `timedelta`.
-
-    Anything else is passed on unchanged for pydantic to reject.
+    """'5m', '30s', '1h30m', '250ms' or a number of seconds -> `timedelta` (at most
+    `MAX_DURATION`). Anything else is passed on unchanged for pydantic to reject.
     """
     if isinstance(value, bool):
         return value
     if isinstance(value, int | float):
-        return timedelta(seconds=value)
+        return _duration(value, value)
     if not isinstance(value, str):
         return value
     text = value.strip().lower()
@@ -104,7 +113,13 @@ def parse_duration(value: object) -> object:
         raise ValueError(
             f"expected a duration such as '30s', '5m', '1h30m' or '250ms', got {value!r}"
         )
-    return timedelta(seconds=sum(float(p.group(1)) * _UNIT_SECONDS[p.group(2)] for p in parts))
+    return _duration(sum(float(p.group(1)) * _UNIT_SECONDS[p.group(2)] for p in parts), value)
+
+
+def _duration(seconds: float, given: object) -> timedelta:
+    if not abs(seconds) <= MAX_DURATION.total_seconds():  # NaN and infinities fail too
+        raise ValueError(f"durations are at most {MAX_DURATION.days} days, got {given!r}")
+    return timedelta(seconds=seconds)
 
 
 def _positive_duration(value: timedelta) -> timedelta:
@@ -150,7 +165,7 @@ Duration = Annotated[timedelta, BeforeValidator(parse_duration), AfterValidator(
 DwellDuration = Annotated[
     timedelta, BeforeValidator(parse_duration), AfterValidator(_non_negative_duration)
 ]
-BlockSize = Annotated[int, Field(strict=True), AfterValidator(_power_of_two)]
+BlockSize = Annotated[int, Field(strict=True, le=MAX_BLOCK_SIZE), AfterValidator(_power_of_two)]
 HttpUrl = Annotated[str, AfterValidator(_http_url)]
 FieldPath = Annotated[str, AfterValidator(_field_path)]
 
@@ -164,12 +179,16 @@ class Section(BaseModel):
 class ModelShape(Section):
     """The served model: attention shape, KV dtype and weight count."""
 
-    num_layers: int = Field(gt=0)
-    num_heads: int = Field(gt=0, description="query heads")
-    num_kv_heads: int = Field(gt=0, description="K/V heads (fewer than num_heads with GQA)")
-    head_dim: int = Field(gt=0)
+    num_layers: int = Field(gt=0, le=4096)
+    num_heads: int = Field(gt=0, le=4096, description="query heads")
+    num_kv_heads: int = Field(
+        gt=0, le=4096, description="K/V heads (fewer than num_heads with GQA)"
+    )
+    head_dim: int = Field(gt=0, le=4096)
     dtype: Literal["float32", "float16", "bfloat16", "float8"]
-    num_params: float = Field(gt=0, description="weights, for the per-step weight read time")
+    num_params: float = Field(
+        gt=0, le=1e15, description="weights, for the per-step weight read time"
+    )
 
     @model_validator(mode="after")
     def _gqa_groups(self) -> ModelShape:
@@ -202,7 +221,7 @@ class ModelShape(Section):
 class WindowSettings(Section):
     """How many finished requests the length window keeps and how many a decision needs."""
 
-    capacity: int = Field(default=1000, gt=0)
+    capacity: int = Field(default=1000, gt=0, le=MAX_WINDOW_CAPACITY)
     min_samples: int = Field(default=100, gt=0)
 
     @model_validator(mode="after")
@@ -258,7 +277,8 @@ class Sources(Section):
 
 
 class ServerSettings(Section):
-    """Where `blocktune serve` listens, where it keeps its state, and the starting size."""
+    """Where `blocktune serve` listens, where it keeps its state, and the starting size;
+    the connection limits hold for `blocktune worker --policy` too."""
 
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8787, ge=1, le=65535)
@@ -269,6 +289,17 @@ class ServerSettings(Section):
             "block size assumed in force until a source, the worker or the state file "
             f"reports one (default: {DEFAULT_BLOCK_SIZE}, or the candidate nearest to it)"
         ),
+    )
+    read_timeout: Duration = Field(
+        default=timedelta(seconds=10),
+        description="a connection not delivering a whole request (head and body) this long "
+        "after it opened or after its last answer is closed",
+    )
+    keep_alive: Duration = Field(
+        default=timedelta(seconds=5), description="an idle connection is closed after this"
+    )
+    max_connections: int = Field(
+        default=512, ge=1, le=65535, description="connections beyond this many are closed at once"
     )
 
 
@@ -299,28 +330,76 @@ class ActuatorSettings(Section):
         return self
 
 
+class SloSettings(Section):
+    """The latency the deployment promises: p99 time to first token and per output token."""
+
+    ttft_p99_s: float = Field(default=2.0, gt=0, le=3600, description="seconds")
+    tpot_p99_s: float = Field(default=0.15, gt=0, le=60, description="seconds")
+
+
+VLLM_BLOCK_MULTIPLE = 16
+"""vLLM's FlashAttention backend takes block sizes that are multiples of 16 only (its
+`get_supported_kernel_block_sizes` is `MultipleOf(16)` in vllm/v1/attention/backends/
+flash_attn.py); smaller sizes need another backend, so they are refused for `engine: vllm`."""
+
+ENGINE_BATCH_DEFAULTS = {"blocktune": (64, None), "vllm": (256, 2048)}
+"""(max_num_seqs, max_num_batched_tokens) when the policy leaves them out: blocktune's
+worker runs 64 rows and prefills whole prompts; vLLM's scheduler defaults to 256 sequences
+and chunks prefill at 2048 tokens per step (its online-serving default)."""
+
+
+class BatchSettings(Section):
+    """The engine's batch limits, as its scheduler applies them every step."""
+
+    max_num_seqs: int | None = Field(default=None, ge=1, le=1 << 16)
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 24,
+        description="tokens per step, prefill chunks included (none: whole prompts at once)",
+    )
+
+
 class Policy(Section):
     """One deployment's tuning policy (see the module docstring for the file format)."""
 
-    deployment: str = Field(min_length=1)
+    deployment: str = Field(min_length=1, max_length=200)
     model: ModelShape
-    kv_budget: Annotated[ByteSize, Field(gt=0)]
+    kv_budget: Annotated[ByteSize, Field(gt=0, le=MAX_KV_BUDGET)]
     candidates: Annotated[
         tuple[BlockSize, ...], Field(min_length=1), AfterValidator(_distinct_sorted)
     ] = DEFAULT_CANDIDATES
     window: WindowSettings = WindowSettings()
     interval: Duration = timedelta(minutes=5)
     min_dwell: DwellDuration = timedelta(minutes=30)
-    safety_factor: float = Field(default=2.0, ge=1.0)
-    grow_copy_fraction: float = Field(
-        default=1.0,
+    safety_factor: float = Field(default=2.0, ge=1.0, le=1e6)
+    slo: SloSettings = SloSettings()
+    goal: Literal["capacity", "ttft_p99"] = Field(
+        default="capacity",
+        description="what the decision maximises: the arrival-rate multiple served within "
+        "the SLO, or (lowest) TTFT p99 at the headroom load",
+    )
+    headroom: float = Field(
+        default=2.0, ge=1.0, le=1000, description="the load multiple the decision plans for"
+    )
+    min_gain: float = Field(
+        default=0.02,
         ge=0.0,
-        le=1.0,
-        description=(
-            "share of the live KV a grow of the block size copies, for the swap cost: 1.0 "
-            "bounds it from above; blocktune's engine, whose allocator keeps runs aligned, "
-            "copied none of it on Azure conversation lengths (bench/hot_swap.py)"
-        ),
+        lt=1.0,
+        description="the smallest relative gain on the goal worth a switch",
+    )
+    engine: Literal["blocktune", "vllm"] = Field(
+        default="blocktune", description="the engine the predictions model"
+    )
+    batch: BatchSettings = BatchSettings()
+    swap_pause: Duration = Field(
+        default=timedelta(milliseconds=10),
+        description="blocktune: the pause of one live swap besides its copies "
+        "(6.8-11.4 ms measured on the CPU engine, 0 bytes moved)",
+    )
+    restart: Duration = Field(
+        default=timedelta(seconds=60),
+        description="vLLM: serving lost to drain and reload for a restart with a new size",
     )
     mode: Literal["recommend", "enforce"] = "recommend"
     calibration: str = Field(
@@ -356,6 +435,36 @@ class Policy(Section):
                 "start-up: use actuator kind none (recommendations)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _engine_takes_the_candidates(self) -> Policy:
+        if self.engine == "vllm":
+            refused = [b for b in self.candidates if b % VLLM_BLOCK_MULTIPLE]
+            if refused:
+                raise ValueError(
+                    f"engine vllm: candidates {refused} are not multiples of "
+                    f"{VLLM_BLOCK_MULTIPLE}, which vLLM's FlashAttention backend requires"
+                )
+        return self
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences the engine batches at once (the policy's, else the engine's default)."""
+        return self.batch.max_num_seqs or ENGINE_BATCH_DEFAULTS[self.engine][0]
+
+    @property
+    def max_num_batched_tokens(self) -> int | None:
+        """Tokens per step with chunked prefill, or None when prompts prefill whole."""
+        if self.batch.max_num_batched_tokens is not None:
+            return self.batch.max_num_batched_tokens
+        return ENGINE_BATCH_DEFAULTS[self.engine][1]
+
+    @property
+    def switch_cost_s(self) -> float:
+        """Serving time one change of the block size costs: a live swap's pause in
+        blocktune's engine, a drain-and-reload restart for vLLM."""
+        pause = self.restart if self.engine == "vllm" else self.swap_pause
+        return pause.total_seconds()
 
     @property
     def starting_block_size(self) -> int:

@@ -1,26 +1,37 @@
 """Offline replay: every block-size policy served the same trace on a simulated server.
 
 `replay(frame, policy, calibration)` plays the trace through the serving
-simulator (`replay_sim`: continuous batching, a paged KV cache of the policy's
-budget, preemption by recompute, prefix reuse, step times from the
-calibration) once per policy:
+simulator (`core.simulator`: continuous batching, a paged KV cache of the
+policy's budget, the engine's batch limits and chunked prefill, preemption by
+recompute, prefix reuse, step times from the calibration) once per policy:
 
 - ``static-B`` for every candidate B of the policy;
 - ``adaptive``: the real LengthWindow + Selector deciding every
-  `policy.interval` of trace time (`replay_control.AdaptiveController`), each
-  switch charged its modelled swap pause;
-- ``oracle``: the best static size of each interval in hindsight, swapped for
-  free (`replay_objective`); its objective bounds the others from below.
+  `policy.interval` of trace time (`controllers.AdaptiveController`), each
+  switch charged its modelled pause (a live swap, or a vLLM restart);
+- ``oracle``: in hindsight, the best static size of each interval on the
+  policy's goal, swapped for free (`objective.GoalScores`). It is a reference,
+  not a strict bound: sizes interact across interval boundaries.
 
-Each policy's `PolicyResult` has the serving metrics of its run and the
-objective of `replay_objective` (seconds per generated token, as the cost
-model prices it). Requests longer than the smallest candidate's pool could
-never run and are left out (counted in the trace summary).
+Each policy's `PolicyResult` has the serving metrics of its run, its score on
+the policy goal and its per-token cost J. Requests longer than the smallest
+candidate's pool could never run and are left out; `ReplayReport.warnings`
+says so, and names the runs that were overloaded.
+
+The static sizes and the adaptive policy do not depend on one another:
+`plan_replay` builds what every policy shares once (the workload, the server,
+the interval costs), `ReplayPlan.play` simulates one of them, in any process,
+`ReplayPlan.play_oracle` the oracle once the static runs are known, and
+`ReplayPlan.report` assembles the report. `replay` does it all in this
+process, one policy after another; `blocktune.tuner.sweep` runs the plays as
+Dask tasks.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,26 +40,31 @@ from tqdm import tqdm
 
 from blocktune.tuner.core.calibration import Calibration
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
+from blocktune.tuner.core.forecast import ServingMetrics
 from blocktune.tuner.core.policy import Policy, nearest_power_of_two
 from blocktune.tuner.core.simulator import Controller, Run, simulate
 from blocktune.tuner.core.step_cost import StepCostModel
 from blocktune.tuner.core.workload import EmptyWorkload, Workload
 from blocktune.tuner.replay.controllers import AdaptiveController, OracleController, TimelinePoint
-from blocktune.tuner.replay.objective import IntervalCosts
+from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, goal_value
 
 __all__ = [
     "ADAPTIVE",
     "ORACLE",
+    "Played",
     "PolicyResult",
     "ReplayError",
+    "ReplayPlan",
     "ReplayReport",
+    "plan_replay",
+    "policy_names",
     "replay",
-    "serving_times",
     "static_name",
 ]
 
 ADAPTIVE = "adaptive"
 ORACLE = "oracle"
+MAX_INTERVALS = 1_000_000  # the objective keeps a row per decision interval of trace time
 
 
 class ReplayError(ValueError):
@@ -67,7 +83,9 @@ class PolicyResult:
     `block_size` is None for the policies that change it. TTFT runs from arrival
     to the first token, TPOT is the mean time between a request's later tokens,
     e2e from arrival to the last token; `tokens_per_s` counts generated tokens
-    over the replay's span. `replay_s` is the wall-clock time the simulation took.
+    over the replay's span. `goal_value` is the policy goal's score of the run
+    (`objective.goal_value`), `objective` its per-token cost J. `replay_s` is the
+    wall-clock time the simulation took.
     """
 
     policy: str
@@ -83,6 +101,7 @@ class PolicyResult:
     padding_ratio: float
     preemptions: int
     swaps: int
+    goal_value: float
     objective: float
     generated_tokens: int
     swap_pause_s: float
@@ -95,20 +114,27 @@ class PolicyResult:
         block_size: int | None,
         run: Run,
         workload: Workload,
-        objective: float,
+        scores: tuple[float, float],
         replay_s: float,
     ) -> PolicyResult:
-        """Summarise a simulated run."""
+        """Summarise a simulated run; `scores` is (goal value, objective)."""
+        metrics = ServingMetrics.of(run, workload)
         return cls(
             policy=name,
             block_size=block_size,
-            **serving_times(workload, run.first_token_s, run.finish_s, run.generated),
-            peak_kv_bytes=int(run.peak_kv_bytes),
+            tokens_per_s=metrics.tokens_per_s,
+            ttft_p50_s=metrics.ttft_p50_s,
+            ttft_p99_s=metrics.ttft_p99_s,
+            tpot_p50_s=metrics.tpot_p50_s,
+            tpot_p99_s=metrics.tpot_p99_s,
+            e2e_p99_s=metrics.e2e_p99_s,
+            peak_kv_bytes=metrics.peak_kv_bytes,
             mean_kv_bytes=run.kv_byte_s / run.end_s if run.end_s > 0 else 0.0,
             padding_ratio=run.padding_ratio,
             preemptions=run.preemptions,
             swaps=run.swaps,
-            objective=objective,
+            goal_value=scores[0],
+            objective=scores[1],
             generated_tokens=int(run.generated.sum()),
             swap_pause_s=run.swap_pause_s,
             replay_s=replay_s,
@@ -131,6 +157,7 @@ class ReplayReport:
     interval_s: float
     workload: Workload = field(repr=False)
     runs: dict[str, Run] = field(repr=False)
+    warnings: list[str] = field(default_factory=list)
 
     def result(self, name: str) -> PolicyResult:
         """The result of the policy called `name` (KeyError if absent)."""
@@ -140,27 +167,154 @@ class ReplayReport:
         raise KeyError(name)
 
 
-def serving_times(
-    workload: Workload, first_token_s: np.ndarray, finish_s: np.ndarray, generated: np.ndarray
-) -> dict[str, float]:
-    """Throughput and latency percentiles of a served workload (times per workload row):
-    ``tokens_per_s``, ``ttft_p50_s``, ``ttft_p99_s``, ``tpot_p50_s``, ``tpot_p99_s`` and
-    ``e2e_p99_s``, as `PolicyResult` defines them."""
-    arrival = workload.arrival_s
-    outputs = workload.output_tokens
-    later = outputs > 1
-    tpot = (finish_s[later] - first_token_s[later]) / (outputs[later] - 1)
-    span = float(np.max(finish_s)) - float(arrival[0])
-    ttft_p50, ttft_p99 = np.percentile(first_token_s - arrival, [50, 99])
-    tpot_p50, tpot_p99 = np.percentile(tpot, [50, 99]) if len(tpot) else (np.nan, np.nan)
-    return {
-        "tokens_per_s": float(generated.sum()) / span if span > 0 else float("nan"),
-        "ttft_p50_s": float(ttft_p50),
-        "ttft_p99_s": float(ttft_p99),
-        "tpot_p50_s": float(tpot_p50),
-        "tpot_p99_s": float(tpot_p99),
-        "e2e_p99_s": float(np.percentile(finish_s - arrival, 99)),
-    }
+def policy_names(policy: Policy) -> tuple[str, ...]:
+    """The policies a replay of `policy` plays, in report order: static-B per candidate,
+    adaptive, oracle."""
+    return (*(static_name(size) for size in policy.candidates), ADAPTIVE, ORACLE)
+
+
+@dataclass(frozen=True)
+class Played:
+    """One policy's simulation: its run, the adaptive timeline (empty for the other
+    policies) and the wall-clock seconds it took."""
+
+    run: Run
+    timeline: list[TimelinePoint]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What every policy of one replay shares, built once by `plan_replay`.
+
+    `play(name)` simulates a static size or the adaptive policy, in any
+    process and in any order; the oracle follows the static runs:
+    `oracle_schedule` picks its size per interval from them and
+    `play_oracle` simulates it. `report` assembles the `ReplayReport` from
+    the `Played` of every name in `names`. `too_long` counts the requests
+    left out because they could never fit the pool.
+    """
+
+    label: str
+    policy: Policy
+    calibration: Calibration
+    server: StepCostModel
+    initial: int
+    workload: Workload
+    too_long: int
+    costs: IntervalCosts
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return policy_names(self.policy)
+
+    def play(self, name: str, *, progress: bool = False) -> Played:
+        """Simulate the static size or the adaptive policy called `name`; `progress` shows a
+        tqdm bar."""
+        if name == ADAPTIVE:
+            w = self.workload
+            controller = AdaptiveController(
+                self.policy, self.calibration, w.prompt_tokens, w.output_tokens, w.group
+            )
+            return self._simulate(name, self.initial, controller, progress)
+        for size in self.policy.candidates:
+            if name == static_name(size):
+                return self._simulate(name, size, None, progress)
+        raise ReplayError(f"{name!r} is not a policy played alone: {', '.join(self.names[:-1])}")
+
+    def oracle_schedule(self, played: Mapping[str, Played]) -> np.ndarray:
+        """The oracle's size per interval: the best static size of each on the policy goal,
+        in hindsight of the static runs in `played`."""
+        static = {size: played[static_name(size)].run for size in self.policy.candidates}
+        policy = self.policy
+        scores = GoalScores.of(
+            policy.goal, static, self.workload, self.costs.interval_s, policy.slo
+        )
+        return scores.best_schedule()
+
+    def play_oracle(self, schedule: np.ndarray, *, progress: bool = False) -> Played:
+        """Simulate the oracle following `schedule` (from `oracle_schedule`), swapping free."""
+        controller = OracleController(self.costs.interval_s, schedule)
+        return self._simulate(ORACLE, int(schedule[0]), controller, progress)
+
+    def _simulate(
+        self, name: str, size: int, controller: Controller | None, progress: bool
+    ) -> Played:
+        start = time.perf_counter()
+        with tqdm(
+            total=len(self.workload), desc=name, unit="req", leave=False, disable=not progress
+        ) as bar:
+            run = simulate(self.workload, self.server, size, controller=controller, progress=bar)
+        timeline = controller.timeline if isinstance(controller, AdaptiveController) else []
+        return Played(run, timeline, time.perf_counter() - start)
+
+    def report(self, played: Mapping[str, Played]) -> ReplayReport:
+        """The report of this replay from the `Played` of every name in `names`."""
+        schedule = self.oracle_schedule(played)
+        results = [self._result(name, played[name], schedule) for name in self.names]
+        runs = {name: played[name].run for name in self.names}
+        trace = _trace_summary(self.label, self.workload, self.too_long)
+        return ReplayReport(
+            trace=trace,
+            policy=_policy_summary(self.policy, self.calibration, self.initial),
+            results=results,
+            timeline=played[ADAPTIVE].timeline,
+            oracle_schedule=schedule,
+            interval_s=self.costs.interval_s,
+            workload=self.workload,
+            runs=runs,
+            warnings=replay_warnings(trace, results, runs, self.workload, self.policy),
+        )
+
+    def _result(self, name: str, played: Played, schedule: np.ndarray) -> PolicyResult:
+        run, costs = played.run, self.costs
+        if name == ADAPTIVE:
+            in_force = costs.sizes_in_force(self.initial, run.switches)
+            size, objective = None, costs.schedule(in_force, run.swap_pause_s)
+        elif name == ORACLE:
+            size, objective = None, costs.schedule(schedule)
+        else:
+            size, objective = run.block_size, costs.static(run.block_size)
+        goal = goal_value(self.policy.goal, run, self.workload, self.policy.slo)
+        return PolicyResult.of(name, size, run, self.workload, (goal, objective), played.seconds)
+
+
+def plan_replay(
+    frame: pd.DataFrame,
+    policy: Policy,
+    calibration: Calibration,
+    *,
+    label: str = "trace",
+    initial_block_size: int | None = None,
+    fixed_step_s: float | None = None,
+) -> ReplayPlan:
+    """The shared part of a replay of `frame` (the canonical request table) under `policy`.
+
+    `initial_block_size` is where the adaptive policy starts (default: the
+    candidate nearest 16). `fixed_step_s` replaces the calibrated step time
+    (see `StepCostModel`).
+    """
+    server = StepCostModel(policy, calibration, fixed_step_s)
+    initial = _initial(policy, initial_block_size)
+    try:
+        loaded = Workload.from_frame(frame)
+    except EmptyWorkload as exc:
+        raise ReplayError(f"{label}: nothing to replay: {exc}") from None
+    fits = min(server.capacity_slots(b) for b in policy.candidates)
+    workload = loaded.without_longer_than(fits)
+    if not len(workload):
+        raise ReplayError(f"{label}: every request is longer than the KV pool ({fits} token slots)")
+    _check_span(workload, policy.interval.total_seconds(), label)
+    return ReplayPlan(
+        label=label,
+        policy=policy,
+        calibration=calibration,
+        server=server,
+        initial=initial,
+        workload=workload,
+        too_long=len(loaded) - len(workload),
+        costs=IntervalCosts.of(workload, server.cost_model),
+    )
 
 
 def replay(
@@ -173,60 +327,37 @@ def replay(
     fixed_step_s: float | None = None,
     progress: bool = False,
 ) -> ReplayReport:
-    """Replay `frame` (the canonical request table) under every policy; see the module doc.
-
-    `initial_block_size` is where the adaptive policy starts (default: the
-    candidate nearest 16). `fixed_step_s` replaces the calibrated step time
-    (see `StepCostModel`). `progress` shows a tqdm bar per policy.
-    """
-    server = StepCostModel(policy, calibration, fixed_step_s)
-    initial = _initial(policy, initial_block_size)
-    try:
-        loaded = Workload.from_frame(frame)
-    except EmptyWorkload as exc:
-        raise ReplayError(f"{label}: nothing to replay: {exc}") from None
-    fits = min(server.capacity_slots(b) for b in policy.candidates)
-    workload = loaded.without_longer_than(fits)
-    if not len(workload):
-        raise ReplayError(f"{label}: every request is longer than the KV pool ({fits} token slots)")
-    costs = IntervalCosts.of(workload, server.cost_model)
-    results, runs = [], {}
-
-    def play(name: str, size: int, controller: Controller | None) -> tuple[Run, float]:
-        start = time.perf_counter()
-        with tqdm(
-            total=len(workload), desc=name, unit="req", leave=False, disable=not progress
-        ) as bar:
-            run = simulate(workload, server, size, controller=controller, progress=bar)
-        runs[name] = run
-        return run, time.perf_counter() - start
-
-    for size in policy.candidates:
-        run, seconds = play(static_name(size), size, None)
-        results.append(
-            PolicyResult.of(static_name(size), size, run, workload, costs.static(size), seconds)
-        )
-    adaptive = AdaptiveController(
-        policy, calibration, workload.prompt_tokens, workload.output_tokens, workload.group
+    """Replay `frame` under every policy, one after another in this process; see the module
+    doc and `plan_replay`. `progress` shows a tqdm bar per policy."""
+    plan = plan_replay(
+        frame,
+        policy,
+        calibration,
+        label=label,
+        initial_block_size=initial_block_size,
+        fixed_step_s=fixed_step_s,
     )
-    run, seconds = play(ADAPTIVE, initial, adaptive)
-    in_force = costs.sizes_in_force(initial, run.switches)
-    objective = costs.schedule(in_force, run.swap_pause_s)
-    results.append(PolicyResult.of(ADAPTIVE, None, run, workload, objective, seconds))
-    schedule = costs.best_schedule()
-    oracle = OracleController(costs.interval_s, schedule)
-    run, seconds = play(ORACLE, int(schedule[0]), oracle)
-    results.append(PolicyResult.of(ORACLE, None, run, workload, costs.schedule(schedule), seconds))
-    return ReplayReport(
-        trace=_trace_summary(label, workload, len(loaded) - len(workload)),
-        policy=_policy_summary(policy, calibration, initial),
-        results=results,
-        timeline=adaptive.timeline,
-        oracle_schedule=schedule,
-        interval_s=costs.interval_s,
-        workload=workload,
-        runs=runs,
+    played = {name: plan.play(name, progress=progress) for name in plan.names[:-1]}
+    played[ORACLE] = plan.play_oracle(plan.oracle_schedule(played), progress=progress)
+    return plan.report(played)
+
+
+def _check_span(workload: Workload, interval_s: float, label: str) -> None:
+    """Refuse a trace whose arrivals run past `MAX_INTERVALS` decision intervals."""
+    arrivals = workload.arrival_s
+    intervals = float(arrivals[-1]) / interval_s
+    if intervals < MAX_INTERVALS:
+        return
+    problem = (
+        f"{label}: the last request arrives {float(arrivals[-1]):.4g} s into the trace, "
+        f"{intervals:.4g} decision intervals of {interval_s:g} s; a replay holds at most "
+        f"{MAX_INTERVALS:,} (use a longer policy interval, or look for a stray timestamp)"
     )
+    if len(arrivals) > 1:
+        widest = int(np.argmax(np.diff(arrivals)))
+        gap = float(arrivals[widest + 1] - arrivals[widest])
+        problem += f": the widest gap, {gap:.4g} s, follows the request at {arrivals[widest]:.4g} s"
+    raise ReplayError(problem)
 
 
 def _initial(policy: Policy, requested: int | None) -> int:
@@ -263,6 +394,47 @@ def _policy_summary(policy: Policy, calibration: Calibration, initial: int) -> d
         "window_capacity": policy.window.capacity,
         "window_min_samples": policy.window.min_samples,
         "safety_factor": policy.safety_factor,
+        "goal": policy.goal,
+        "slo": policy.slo.model_dump(),
+        "headroom": policy.headroom,
+        "min_gain": policy.min_gain,
+        "engine": policy.engine,
         "initial_block_size": initial,
         "calibration": calibration.describe(),
     }
+
+
+OVERLOAD_SERVED_SHARE = 0.95
+"""A run that serves less than this share of the offered token rate is called overloaded."""
+
+
+def replay_warnings(
+    trace: dict, results: list[PolicyResult], runs: dict[str, Run], workload: Workload, policy
+) -> list[str]:
+    """What makes a replay's figures mean less than they seem, in words."""
+    warnings = []
+    span = trace["duration_s"]
+    interval = policy.interval.total_seconds()
+    if span < interval:
+        warnings.append(
+            f"the trace spans {span:.0f} s, less than one decision interval ({interval:g} s): "
+            "the adaptive policy decides only once the trace's last requests run past it, so "
+            "its result says little"
+        )
+    if trace["too_long_for_the_pool"]:
+        warnings.append(
+            f"{trace['too_long_for_the_pool']} of {trace['requests']} requests are longer than "
+            "the smallest candidate's KV pool and were left out"
+        )
+    offered = float(workload.output_tokens.sum()) / span if span > 0 else math.inf
+    for result in results:
+        run = runs[result.policy]
+        served = result.tokens_per_s
+        if served < OVERLOAD_SERVED_SHARE * offered:
+            backlog = run.end_s - float(workload.arrival_s[-1])
+            warnings.append(
+                f"{result.policy}: overloaded: offered {offered:.1f} tok/s, served "
+                f"{served:.1f} tok/s; the backlog drains {backlog:.0f} s after the last "
+                "arrival, so its latencies measure the queue"
+            )
+    return warnings

@@ -44,12 +44,12 @@ class ServedMetrics:
 
     @classmethod
     def of(cls, workload: Workload, run: ServedRun) -> ServedMetrics:
-        """The metrics of `run` on `workload` (times as `serving_times` defines them)."""
-        from blocktune.tuner.replay.runner import serving_times
+        """The metrics of `run` on `workload` (times as `ServingMetrics.of_times` computes)."""
+        from blocktune.tuner.core.forecast import ServingMetrics
 
-        times = serving_times(workload, run.first_token_s, run.finish_s, run.generated)
+        times = ServingMetrics.of_times(workload, run.first_token_s, run.finish_s, run.generated)
         return cls(
-            **{key: times[key] for key in METRICS[:5]},
+            **{key: getattr(times, key) for key in METRICS[:5]},
             peak_kv_blocks=float(run.peak_blocks),
             preemptions=float(run.preemptions),
         )

@@ -32,8 +32,9 @@ from blocktune.runtime.engine import (
 )
 from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.hot_swap import SwapResult
+from blocktune.tuner.core.policy import ServerSettings
 from blocktune.tuner.operations import log_event
-from blocktune.tuner.serving.http import BearerAuth, BodyLimit
+from blocktune.tuner.serving.http import BearerAuth, guarded_app, server_config
 
 __all__ = ["CompletionRequest", "LengthPusher", "create_worker_app", "serve_worker"]
 
@@ -215,8 +216,7 @@ def create_worker_app(
     loop: EngineLoop, *, token: str | None = None, pusher: LengthPusher | None = None
 ) -> FastAPI:
     """The worker's FastAPI app around a started `EngineLoop`."""
-    app = FastAPI(title="blocktune worker", version="1")
-    app.add_middleware(BodyLimit)
+    app = guarded_app(token=token, title="blocktune worker", version="1")
     auth = BearerAuth(token)
     registry = CollectorRegistry()
     registry.register(_EngineMetrics(loop, pusher))
@@ -285,13 +285,19 @@ def create_worker_app(
 
 
 def serve_worker(
-    loop: EngineLoop, *, host: str, port: int, token: str | None, pusher: LengthPusher | None
+    loop: EngineLoop,
+    *,
+    host: str,
+    port: int,
+    token: str | None,
+    pusher: LengthPusher | None,
+    server: ServerSettings,
 ) -> None:
     """Start `loop` and serve it with uvicorn until SIGINT/SIGTERM, then stop both threads."""
     loop.start()
     app = create_worker_app(loop, token=token, pusher=pusher)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.Server(server_config(app, host=host, port=port, server=server)).run()
     finally:
         loop.stop()
         if pusher is not None:
