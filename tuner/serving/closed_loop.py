@@ -138,10 +138,10 @@ class ClosedLoopReport:
 
 
 def _send(url: str, row: pd.Series) -> list[int]:
-    body = {"prompt_ids": row.prompt_ids, "max_tokens": int(row.output_tokens)}
+    body = {"prompt_ids": row.prompt_ids, "max_tokens": int(row.output_tokens), "temperature": 0}
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     response.raise_for_status()
-    return response.json()["token_ids"]
+    return response.json()["choices"][0]["token_ids"]
 
 
 def _drive(url: str, workload: pd.DataFrame, report: ClosedLoopReport) -> threading.Thread:
