@@ -110,9 +110,10 @@ def test_a_swap_that_cannot_be_applied_is_200_with_its_reason(model, live_server
     loop.start()
     with live_server(_app(loop)) as url:
         # A grow copies only when a sequence is live: keep one generating meanwhile.
-        body = {"prompt_ids": [1] * 9, "max_tokens": 300, "temperature": 0, "stream": True}
+        body = {"prompt_ids": [1] * 9, "max_tokens": 2000, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
-            next(stream.iter_lines())
+            lines = stream.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)
             swap = httpx.post(
                 f"{url}/admin/block-size", json={"block_size": 32}, headers=AUTH, timeout=60
             )
@@ -153,11 +154,17 @@ def test_oversized_body_is_refused(worker):
     assert response.status_code == 413
 
 
-def test_disconnected_client_frees_its_blocks(worker):
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnected_client_frees_its_blocks(worker, stream):
     url, loop = worker
-    body = {"prompt_ids": [1, 2, 3], "max_tokens": 1500}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
+    body = {"prompt_ids": [1, 2, 3], "max_tokens": 1500, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.3)
     for _ in range(100):
         state = loop.state()
         if state["cancelled"] == 1:

@@ -243,9 +243,17 @@ class Prepared:
         return {
             "tokens": texts,
             "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{self.served.token_text(t): v for t, v in lp.top} for lp in logprobs],
+            "top_logprobs": [self._top_by_text(lp) for lp in logprobs],
             "text_offset": offsets,
         }
+
+    def _top_by_text(self, logprob: TokenLogprob) -> dict[str, float]:
+        """Text -> log-probability, most likely first; tokens that read the same keep the
+        likelier one."""
+        top: dict[str, float] = {}
+        for token_id, value in logprob.top:
+            top.setdefault(self.served.token_text(token_id), value)
+        return top
 
     def _chat_logprob(self, text: str, logprob: TokenLogprob) -> dict:
         def entry(token: str, value: float) -> dict:
