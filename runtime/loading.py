@@ -37,6 +37,7 @@ from blocktune.runtime.tokenizer import Tokenizer
 __all__ = [
     "DTYPES",
     "INSTALLED_MODELS",
+    "TINY_RANDOM",
     "LoadedModel",
     "load_pretrained",
     "load_weights",

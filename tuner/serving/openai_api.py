@@ -206,10 +206,10 @@ class Prepared:
             item = {"index": index, "finish_reason": choice.finish_reason}
             item["logprobs"] = self._logprobs(choice.token_ids, choice.logprobs, choice.prefix)
             if self.kind == "completion":
-                item.update(text=choice.text, token_ids=choice.token_ids)
+                item["text"] = choice.text
             else:
                 item["message"] = {"role": "assistant", "content": choice.text}
-            choices.append(item)
+            choices.append({**item, "token_ids": choice.token_ids})  # blocktune's extension
         return {**self._envelope(False), "choices": choices, "usage": self.usage().to_dict()}
 
     def chunk(self, index: int, delta: str, logprobs: list[TokenLogprob], first: bool) -> dict:

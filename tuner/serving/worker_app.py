@@ -301,12 +301,14 @@ def create_worker_app(
         log_event(log, "block_size_swap", **result.to_dict())
         return result.to_dict()
 
+    # Plain functions, so FastAPI runs them on its thread pool: reading the engine's state
+    # waits for the step in progress, which must not stall the event loop.
     @app.get("/admin/state")
-    async def state() -> dict:
+    def state() -> dict:
         return loop.state()
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
+    def metrics_endpoint() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")

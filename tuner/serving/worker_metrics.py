@@ -1,24 +1,12 @@
 """The worker's Prometheus metrics, named as vLLM names its own.
 
 vLLM's `vllm:NAME` is `blocktune_worker_NAME` here (promtool reserves the
-colon for recording rules); every series has a `model_name` label and every
-time is in seconds:
-
-| metric | type | vLLM's |
-| --- | --- | --- |
-| `prompt_tokens_total`, `generation_tokens_total` | counter | same |
-| `time_to_first_token_seconds` | histogram | same |
-| `time_per_output_token_seconds` (each gap between two tokens) | histogram | same |
-| `e2e_request_latency_seconds` | histogram | same |
-| `request_prompt_tokens`, `request_generation_tokens` | histogram | same |
-| `request_success_total{finished_reason}` | counter | same |
-| `num_requests_running`, `num_requests_waiting` | gauge | same |
-| `kv_cache_usage_ratio` (0-1) | gauge | `kv_cache_usage_perc` (also 0-1) |
-| `num_preemptions_total` | counter | same |
-
-blocktune's own: the block size, blocks used and free, padding slots, swaps
-by outcome, bytes the swaps moved, the last swap's pause, cancelled and
-rejected requests, and the sidecar push backlog.
+colon for recording rules), every series has a `model_name` label and every
+time is in seconds; README.md lists them beside vLLM's. Request metrics
+(token counters, time to first token, gaps between tokens, end-to-end
+latency, lengths, successes by reason) are updated as tokens arrive; the
+engine's gauges and counters (running and waiting requests, KV usage,
+preemptions, block size, swaps) are read at scrape time.
 """
 
 from __future__ import annotations
@@ -46,13 +34,17 @@ class WorkerMetrics:
         self.prompt_tokens = self._counter("prompt_tokens", "prompt tokens prefilled")
         self.generation_tokens = self._counter("generation_tokens", "tokens generated")
         self._ttft = self._histogram(
-            "time_to_first_token_seconds", "from arrival to the first token", LATENCY_BUCKETS
+            "time_to_first_token_seconds",
+            "seconds from arrival to the first token",
+            LATENCY_BUCKETS,
         )
         self._token_gap = self._histogram(
-            "time_per_output_token_seconds", "between two tokens of a request", TOKEN_GAP_BUCKETS
+            "time_per_output_token_seconds",
+            "seconds between two tokens of a request",
+            TOKEN_GAP_BUCKETS,
         )
         self._e2e = self._histogram(
-            "e2e_request_latency_seconds", "from arrival to the last token", LATENCY_BUCKETS
+            "e2e_request_latency_seconds", "seconds from arrival to the last token", LATENCY_BUCKETS
         )
         self._prompt_lengths = self._histogram(
             "request_prompt_tokens", "prompt tokens of each finished request", TOKEN_BUCKETS
@@ -136,7 +128,9 @@ class _EngineState:
         for name, (key, help_text) in self.GAUGES.items():
             yield self._family(GaugeMetricFamily, name, help_text, state[key])
         usage = state["blocks_used"] / state["blocks_total"]
-        yield self._family(GaugeMetricFamily, "kv_cache_usage_ratio", "KV blocks in use", usage)
+        yield self._family(
+            GaugeMetricFamily, "kv_cache_usage_ratio", "fraction of the KV blocks in use", usage
+        )
         for name, (key, help_text) in self.COUNTERS.items():
             yield self._family(CounterMetricFamily, name, help_text, state[key])
         swaps = CounterMetricFamily(
