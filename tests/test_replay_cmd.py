@@ -34,9 +34,10 @@ def test_embedded_day_table_report_and_plots(capsys, tmp_path, policy_file):
     lines = printed.splitlines()
     assert lines[0].startswith("trace: synthetic customer-service day (seed 0, 86400 s")
     assert "KV budget 3.50 GiB, candidates 8 16 32 64" in lines[1]
-    assert lines[3].split()[:3] == ["policy", "B", "tok/s"]
+    assert lines[3].split()[:4] == ["policy", "B", "goodput", "tok/s"]
     assert [line.split()[0] for line in lines[5:11]] == list(POLICIES)
-    assert "adaptive / oracle objective:" in printed
+    assert "goal: capacity, scored in a replay as SLO goodput" in printed
+    assert "adaptive on the goal: " in printed and "x the best static size" in printed
     assert "peak KV" in printed and "the source article claims -19% peak memory" in printed
     assert "adaptive: starts at B=16" in printed
     report = json.loads((out / "report.json").read_text())
@@ -75,6 +76,22 @@ def test_a_lengths_file_needs_a_rate(capsys, tmp_path, policy_file):
     assert "give a rate" in capsys.readouterr().err
     assert main(["replay", str(trace), "--rate", "2", "--policy", policy_file]) == 0
     assert "lengths.csv (format lengths): 50 requests" in capsys.readouterr().out
+
+
+def test_flags_that_do_not_apply_or_replace_the_input_are_named(capsys, tmp_path, policy_file):
+    trace = tmp_path / "logs.csv"
+    trace.write_text("ts,in,out\n" + "".join(f"{i},{30 + i},{10}\n" for i in range(60)))
+    mapped = ["--time-col", "ts", "--prompt-col", "in", "--output-col", "out"]
+    for flag in ("--rate-scale", "--duration"):
+        assert main(["replay", str(trace), *mapped, flag, "2", "--policy", policy_file]) == 2
+        assert f"{flag} changes the embedded day only" in capsys.readouterr().err
+    (tmp_path / "timed.csv").write_text(trace.read_text().replace("ts,", "arrival_s,"))
+    args = ["replay", str(tmp_path / "timed.csv"), "--prompt-col", "in", "--output-col", "out"]
+    assert main([*args, "--rate", "4", "--policy", policy_file]) == 0
+    assert (
+        "warning: the rate of 4 requests/s replaces the trace's own arrival times "
+        "(column 'arrival_s') with Poisson arrivals" in capsys.readouterr().err
+    )
 
 
 def test_errors_name_the_problem(capsys, tmp_path, policy_file):

@@ -104,8 +104,9 @@ def load_trace(
             prompt_col=prompt_col,
             output_col=output_col,
         )
+    replaced = None
     if rate is not None:
-        spec = without_times(spec)
+        replaced, spec = spec.time_col, without_times(spec)
     elif spec.time_col is None:
         raise TraceError(
             f"{path}: format {spec.name!r} has no arrival times; give a rate (requests/s)"
@@ -122,6 +123,11 @@ def load_trace(
             f"skipped: {checker.tally.describe()}"
         )
     frame, warnings = _arrange(rows, spec, path, rate, seed)
+    if replaced is not None:
+        warnings.append(
+            f"the rate of {rate:g} requests/s replaces the trace's own arrival times "
+            f"(column {replaced!r}) with Poisson arrivals"
+        )
     return LoadedTrace(
         frame=frame,
         format=spec.name,

@@ -37,9 +37,13 @@ PROGRESS_MIN_REQUESTS = 10_000
 
 def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     """The request table and a label for it: the embedded day or the TRACE file."""
+    from blocktune.tuner.replay.runner import ReplayError
+
     if args.trace in (None, SYNTHETIC):
         from blocktune.traces.synth import customer_service_day
 
+        args.duration = DAY_DURATION_S if args.duration is None else args.duration
+        args.rate_scale = DAY_RATE_SCALE if args.rate_scale is None else args.rate_scale
         frame = customer_service_day(
             args.seed, duration_s=args.duration, rate_scale=args.rate_scale
         )
@@ -48,6 +52,9 @@ def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
             f"rate scale {args.rate_scale:g})"
         )
         return frame, label
+    for flag, value in (("--duration", args.duration), ("--rate-scale", args.rate_scale)):
+        if value is not None:
+            raise ReplayError(f"{flag} changes the embedded day only, not the trace {args.trace}")
     loaded = load_from_args(args)
     skipped = sum(loaded.skipped.values())
     if skipped:
@@ -90,10 +97,9 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(json.dumps(report_dict(report), indent=2, allow_nan=False))
     else:
-        left_out = report.trace["too_long_for_the_pool"]
-        if left_out:
-            print(f"left out {left_out} requests longer than the KV pool")
         print(format_replay_table(report))
+        for warning in report.warnings:
+            print(f"warning: {warning}")
         switches = report.runs[ADAPTIVE].switches
         steps = ", ".join(f"B={size} at {t:.0f} s" for _, t, size in switches) or "none"
         print(f"adaptive: starts at B={report.policy['initial_block_size']}; switches: {steps}")
@@ -177,13 +183,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--duration",
         type=_positive_float,
-        default=DAY_DURATION_S,
+        default=None,
         help=f"embedded day: seconds the day spans (default: {DAY_DURATION_S:g}, a real day)",
     )
     parser.add_argument(
         "--rate-scale",
         type=_positive_float,
-        default=DAY_RATE_SCALE,
+        default=None,
         help=f"embedded day: multiplier on every arrival rate (default: {DAY_RATE_SCALE:g}, "
         "about 8000 requests; 1 is about 163000)",
     )

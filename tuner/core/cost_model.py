@@ -30,7 +30,7 @@ step's weight read. The per-block attention cost falls as B grows, padding
 rises, so J has an interior optimum; with c_block = L * per_block [s/block per
 token] and c_pad = (W / bw) * s / budget [s/slot per token], minimising
 c_block * l / B + c_pad * B / 2 gives the principled prior
-B* = sqrt(2 * c_block * l / c_pad) tokens (docs/architecture.md, "The objective").
+B* = sqrt(2 * c_block * l / c_pad) tokens (docs/architecture.md, "The per-token cost").
 
 The source article's heuristic sqrt(length * head_dim * heads * 2 * dtype_bytes) is also
 computed, exactly as stated: with length in tokens and the rest in bytes per
@@ -172,14 +172,13 @@ class CostModel:
         """Token slots of the KV budget in whole blocks of `block_size`."""
         return int(self.policy.kv_budget) // (block_size * self._slot_bytes) * block_size
 
-    def swap_cost_s(self, live_tokens: float, old_block_size: int, new_block_size: int) -> float:
-        """Modelled pause of a block-size swap: a shrink moves nothing (each old block is a
-        run of new ones); a grow copies `policy.grow_copy_fraction` (1.0 by default, an upper
-        bound) of the live tokens' K and V at the calibrated copy bandwidth."""
-        if new_block_size <= old_block_size:
-            return 0.0
-        moved = live_tokens * self._slot_bytes * self.policy.grow_copy_fraction
-        return moved / self.calibration.copy_bandwidth_bytes_per_s
+    def switch_cost_s(self, bytes_moved: int = 0) -> float:
+        """Serving time lost to one change of the block size whose plan moves `bytes_moved`
+        bytes of K and V: the policy's pause (a live swap, or a vLLM restart) plus the copy
+        at the calibrated bandwidth. A shrink moves nothing, and so does a grow whose
+        blocks lie in aligned runs, as blocktune's allocator keeps them."""
+        copy_s = bytes_moved / self.calibration.copy_bandwidth_bytes_per_s
+        return self.policy.switch_cost_s + copy_s
 
     def costs(
         self,

@@ -67,11 +67,13 @@ __all__ = [
     "DTYPE_BYTES",
     "ActuatorSettings",
     "AuthSettings",
+    "BatchSettings",
     "JsonlLogSettings",
     "ModelShape",
     "Policy",
     "Section",
     "ServerSettings",
+    "SloSettings",
     "Sources",
     "VllmMetricsSettings",
     "WindowSettings",
@@ -299,6 +301,36 @@ class ActuatorSettings(Section):
         return self
 
 
+class SloSettings(Section):
+    """The latency the deployment promises: p99 time to first token and per output token."""
+
+    ttft_p99_s: float = Field(default=2.0, gt=0, le=3600, description="seconds")
+    tpot_p99_s: float = Field(default=0.15, gt=0, le=60, description="seconds")
+
+
+VLLM_BLOCK_MULTIPLE = 16
+"""vLLM's FlashAttention backend takes block sizes that are multiples of 16 only (its
+`get_supported_kernel_block_sizes` is `MultipleOf(16)` in vllm/v1/attention/backends/
+flash_attn.py); smaller sizes need another backend, so they are refused for `engine: vllm`."""
+
+ENGINE_BATCH_DEFAULTS = {"blocktune": (64, None), "vllm": (256, 2048)}
+"""(max_num_seqs, max_num_batched_tokens) when the policy leaves them out: blocktune's
+worker runs 64 rows and prefills whole prompts; vLLM's scheduler defaults to 256 sequences
+and chunks prefill at 2048 tokens per step (its online-serving default)."""
+
+
+class BatchSettings(Section):
+    """The engine's batch limits, as its scheduler applies them every step."""
+
+    max_num_seqs: int | None = Field(default=None, ge=1, le=1 << 16)
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 24,
+        description="tokens per step, prefill chunks included (none: whole prompts at once)",
+    )
+
+
 class Policy(Section):
     """One deployment's tuning policy (see the module docstring for the file format)."""
 
@@ -311,16 +343,34 @@ class Policy(Section):
     window: WindowSettings = WindowSettings()
     interval: Duration = timedelta(minutes=5)
     min_dwell: DwellDuration = timedelta(minutes=30)
-    safety_factor: float = Field(default=2.0, ge=1.0)
-    grow_copy_fraction: float = Field(
-        default=1.0,
+    safety_factor: float = Field(default=2.0, ge=1.0, le=1e6)
+    slo: SloSettings = SloSettings()
+    goal: Literal["capacity", "ttft_p99"] = Field(
+        default="capacity",
+        description="what the decision maximises: the arrival-rate multiple served within "
+        "the SLO, or (lowest) TTFT p99 at the headroom load",
+    )
+    headroom: float = Field(
+        default=2.0, ge=1.0, le=1000, description="the load multiple the decision plans for"
+    )
+    min_gain: float = Field(
+        default=0.02,
         ge=0.0,
-        le=1.0,
-        description=(
-            "share of the live KV a grow of the block size copies, for the swap cost: 1.0 "
-            "bounds it from above; blocktune's engine, whose allocator keeps runs aligned, "
-            "copied none of it on Azure conversation lengths (bench/hot_swap.py)"
-        ),
+        lt=1.0,
+        description="the smallest relative gain on the goal worth a switch",
+    )
+    engine: Literal["blocktune", "vllm"] = Field(
+        default="blocktune", description="the engine the predictions model"
+    )
+    batch: BatchSettings = BatchSettings()
+    swap_pause: Duration = Field(
+        default=timedelta(milliseconds=10),
+        description="blocktune: the pause of one live swap besides its copies "
+        "(6.8-11.4 ms measured on the CPU engine, 0 bytes moved)",
+    )
+    restart: Duration = Field(
+        default=timedelta(seconds=60),
+        description="vLLM: serving lost to drain and reload for a restart with a new size",
     )
     mode: Literal["recommend", "enforce"] = "recommend"
     calibration: str = Field(
@@ -356,6 +406,36 @@ class Policy(Section):
                 "start-up: use actuator kind none (recommendations)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _engine_takes_the_candidates(self) -> Policy:
+        if self.engine == "vllm":
+            refused = [b for b in self.candidates if b % VLLM_BLOCK_MULTIPLE]
+            if refused:
+                raise ValueError(
+                    f"engine vllm: candidates {refused} are not multiples of "
+                    f"{VLLM_BLOCK_MULTIPLE}, which vLLM's FlashAttention backend requires"
+                )
+        return self
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences the engine batches at once (the policy's, else the engine's default)."""
+        return self.batch.max_num_seqs or ENGINE_BATCH_DEFAULTS[self.engine][0]
+
+    @property
+    def max_num_batched_tokens(self) -> int | None:
+        """Tokens per step with chunked prefill, or None when prompts prefill whole."""
+        if self.batch.max_num_batched_tokens is not None:
+            return self.batch.max_num_batched_tokens
+        return ENGINE_BATCH_DEFAULTS[self.engine][1]
+
+    @property
+    def switch_cost_s(self) -> float:
+        """Serving time one change of the block size costs: a live swap's pause in
+        blocktune's engine, a drain-and-reload restart for vLLM."""
+        pause = self.restart if self.engine == "vllm" else self.swap_pause
+        return pause.total_seconds()
 
     @property
     def starting_block_size(self) -> int:

@@ -1,23 +1,27 @@
-"""Choose the block size for the next interval from a window snapshot.
+"""Choose the block size for the next interval from a window snapshot, in serving terms.
 
-`Selector.decide` prices every candidate with the cost model and picks the
-cheapest. It recommends a switch only when
+`Selector.decide` predicts, for every candidate, what a user would see on the
+recent window (`forecast.Forecaster`: the window's requests served again by
+the simulator at the observed load and at `policy.headroom` times it), and
+compares the candidates on the policy's `goal`: the capacity (the arrival-rate
+multiple served within the SLO) or TTFT p99 at the headroom load. It
+recommends a switch only when
 
 1. the window holds at least `policy.window.min_samples` requests (below that
    the principled prior B* names a size, but the current one is kept);
-2. the last applied switch (`record_switch`) is at least `policy.min_dwell`
+2. the best candidate beats the size in force by at least `policy.min_gain`
+   on the goal; otherwise the decision says that the block size does not
+   matter at this load (`material` is False when no candidate does);
+3. the last applied switch (`record_switch`) is at least `policy.min_dwell`
    old (no flapping);
-3. the predicted gain over the next interval exceeds the swap cost times
+4. the gain pays for the switch: gain x max(min_dwell, interval) (the serving
+   time the better size wins while it stays in force) exceeds the switch's cost
+   (`CostModel.switch_cost_s`: a live swap's pause, or a vLLM restart) times
    `policy.safety_factor`.
 
-Gain [s] = tokens expected in the next interval x (J(current) - J(best)), with
-the tokens taken from the window's observed output rate, capped by what a
-saturated engine at J(current) could generate in one interval.
-Swap cost [s] = bytes to move / calibrated copy bandwidth. A shrink (B -> B/2^k)
-moves nothing: each old block is a run of new ones. A grow is priced as
-`policy.grow_copy_fraction` (default 1.0, an upper bound; blocktune's aligned
-allocator usually copies nothing) of the useful tokens the budget holds at the
-current size, times the KV bytes per token.
+The cost model's per-token costs J(B) are reported with every candidate as the
+terms behind the step times; they decide only for a size in force that the
+calibration cannot price.
 """
 
 from __future__ import annotations
@@ -25,11 +29,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from blocktune.kernels import is_power_of_two
 from blocktune.tuner.core.calibration import Calibration
 from blocktune.tuner.core.cost_model import ArticleHeuristic, CandidateCost, CostModel
+from blocktune.tuner.core.forecast import (
+    Forecast,
+    Forecaster,
+    goal_higher_is_better,
+    relative_gain,
+)
 from blocktune.tuner.core.jsonable import to_jsonable
 from blocktune.tuner.core.policy import Policy
 from blocktune.tuner.core.window import WindowSnapshot
@@ -43,7 +53,8 @@ class InvalidBlockSize(ValueError):
 
 @dataclass(frozen=True)
 class Decision:
-    """The selector's answer: the best size, the prior, every candidate's costs, and why."""
+    """The selector's answer: the best size, the prior, every candidate's predicted service
+    and cost terms, whether the choice matters (`material`), and why, in words."""
 
     block_size: int
     prior_block_size: int
@@ -54,30 +65,42 @@ class Decision:
     samples: int
     principled_block_tokens: float | None = None
     article_heuristic: ArticleHeuristic | None = None
-    predicted_gain_s: float = 0.0
-    swap_cost_s: float = 0.0
+    forecasts: list[Forecast] = field(default_factory=list)
+    goal: str = "capacity"
+    material: bool = False
+    gain: float = 0.0
+    switch_cost_s: float = 0.0
     decided_at: float = 0.0
+
+    @property
+    def recommended_block_size(self) -> int:
+        """The size to run next: the best one when switching, else the one in force."""
+        return self.block_size if self.switch else self.current_block_size
 
     def to_dict(self) -> dict:
         """The decision as strict JSON types (the one JSON form every surface uses)."""
+        forecasts = {f.block_size: f for f in self.forecasts}
         return to_jsonable(
             {
+                "recommended_block_size": self.recommended_block_size,
+                "material": self.material,
+                "reason": self.reason,
                 "block_size": self.block_size,
                 "prior_block_size": self.prior_block_size,
                 "current_block_size": self.current_block_size,
                 "switch": self.switch,
-                "reason": self.reason,
+                "goal": self.goal,
+                "goal_higher_is_better": goal_higher_is_better(self.goal),
+                "gain": self.gain,
+                "switch_cost_s": self.switch_cost_s,
                 "samples": self.samples,
                 "principled_block_tokens": self.principled_block_tokens,
                 "article_heuristic": (
                     None if self.article_heuristic is None else asdict(self.article_heuristic)
                 ),
-                "predicted_gain_s": self.predicted_gain_s,
-                "swap_cost_s": self.swap_cost_s,
                 "decided_at": self.decided_at,
                 "candidates": [
-                    {**asdict(c), "kernel_s_per_token": c.kernel_s_per_token}
-                    for c in self.candidates
+                    _candidate_dict(c, forecasts.get(c.block_size)) for c in self.candidates
                 ],
             }
         )
@@ -88,6 +111,17 @@ class Decision:
             if cost.block_size == block_size:
                 return cost
         raise KeyError(block_size)
+
+
+def _candidate_dict(cost: CandidateCost, forecast: Forecast | None) -> dict:
+    """A candidate's cost terms and, when forecast, its predicted service at the observed
+    load (`tokens_per_s`, TTFT, TPOT, ...), at the headroom load and its capacity."""
+    row = {**asdict(cost), "kernel_s_per_token": cost.kernel_s_per_token}
+    if forecast is not None:
+        row.update(asdict(forecast.observed))
+        row["headroom"] = asdict(forecast.headroom)
+        row["capacity"] = forecast.capacity
+    return row
 
 
 class Selector:
@@ -102,6 +136,7 @@ class Selector:
     ) -> None:
         self.policy = policy
         self.cost_model = CostModel(policy, calibration)
+        self.forecaster = Forecaster(policy, calibration)
         self._clock = clock
         self._lock = threading.Lock()
         self._last_switch: float | None = None
@@ -155,90 +190,104 @@ class Selector:
         policy, model = self.policy, self.cost_model
         prompts, outputs = snapshot.prompt_tokens, snapshot.output_tokens
         generated = int(outputs.sum())
-        base = {"current_block_size": current, "samples": snapshot.count, "decided_at": now}
+        base = {
+            "current_block_size": current,
+            "samples": snapshot.count,
+            "decided_at": now,
+            "goal": policy.goal,
+        }
         if generated == 0:
-            return Decision(
-                block_size=current,
-                prior_block_size=current,
-                candidates=[],
-                switch=False,
-                reason=(
-                    f"{snapshot.count} requests in the window generated no tokens: keep B={current}"
-                ),
-                **base,
+            reason = (
+                f"{snapshot.count} requests in the window generated no tokens: keep B={current}"
             )
+            return Decision(current, current, [], False, reason, **base)
         mean_context = float((prompts * outputs + outputs * (outputs + 1) / 2).sum() / generated)
         optimum, prior = model.principled_block_size(mean_context)
         article = model.article_heuristic(float(snapshot.total.median))
         # A size in force that the calibration cannot price (e.g. reported by vLLM) is left
-        # out: the cheapest candidate then wins without a gain-versus-cost test.
+        # out: the cheapest candidate then wins without a forecast.
         calibrated = current in model.calibration.block_sizes
         priced = tuple(sorted({*policy.candidates, current} if calibrated else policy.candidates))
         costs = model.costs(
             prompts, outputs, shared_prefixes=snapshot.shared_prefixes, block_sizes=priced
         )
-        base.update(principled_block_tokens=optimum, article_heuristic=article)
+        base.update(principled_block_tokens=optimum, article_heuristic=article, candidates=costs)
         if snapshot.count < policy.window.min_samples:
-            return Decision(
-                block_size=prior,
-                prior_block_size=prior,
-                candidates=costs,
-                switch=False,
-                reason=(
-                    f"only {snapshot.count} of the {policy.window.min_samples} requests needed: "
-                    f"keep B={current} (the prior B*={optimum:.1f} tokens suggests {prior})"
-                ),
-                **base,
-            )
-        by_size = {c.block_size: c for c in costs}
-        best = min(
-            (by_size[b] for b in policy.candidates),
-            key=lambda c: (c.objective_s_per_token, c.block_size != current, c.block_size),
-        )
-        decision = {"block_size": best.block_size, "prior_block_size": prior}
-        if best.block_size == current:
-            reason = f"B={current} is already the cheapest candidate"
-            return Decision(candidates=costs, switch=False, reason=reason, **decision, **base)
-        if self._last_switch is not None and now - self._last_switch < self._min_dwell_s:
             reason = (
-                f"B={best.block_size} is cheaper, but the last switch was "
-                f"{now - self._last_switch:.0f} s ago (min_dwell {self._min_dwell_s:.0f} s): "
-                f"keep B={current}"
+                f"only {snapshot.count} of the {policy.window.min_samples} requests needed: "
+                f"keep B={current} (the prior B*={optimum:.1f} tokens suggests {prior})"
             )
-            return Decision(candidates=costs, switch=False, reason=reason, **decision, **base)
+            return Decision(prior, prior, switch=False, reason=reason, **base)
         if not calibrated:
+            best = min(costs, key=lambda c: (c.objective_s_per_token, c.block_size)).block_size
             reason = (
                 f"B={current} has no calibrated costs: switch to the cheapest calibrated "
-                f"candidate B={best.block_size}"
+                f"candidate B={best}"
             )
-            return Decision(candidates=costs, switch=True, reason=reason, **decision, **base)
-        gain = self._gain_s(snapshot, by_size[current], best)
-        swap = model.swap_cost_s(by_size[current].capacity_tokens, current, best.block_size)
-        base.update(predicted_gain_s=gain, swap_cost_s=swap)
-        saving = 1 - best.objective_s_per_token / by_size[current].objective_s_per_token
-        required = swap * policy.safety_factor
-        if gain <= required:
+            return Decision(best, prior, switch=True, reason=reason, material=True, **base)
+        workload = self.forecaster.workload_of(snapshot)
+        if workload is None:
+            reason = f"the window's requests span no time, so no load to forecast: keep B={current}"
+            return Decision(current, prior, switch=False, reason=reason, **base)
+        forecasts = self.forecaster.forecast(workload, current, priced)
+        return self._choose(forecasts, current, prior, now, base)
+
+    def _choose(
+        self, forecasts: list[Forecast], current: int, prior: int, now: float, base: dict
+    ) -> Decision:
+        """The decision among forecast candidates (rules 2-4 of the module docstring)."""
+        policy, goal = self.policy, self.policy.goal
+        by_size = {f.block_size: f for f in forecasts}
+        sign = 1 if goal_higher_is_better(goal) else -1
+        best = max(
+            (by_size[b] for b in policy.candidates),
+            key=lambda f: (sign * f.goal_value(goal), f.block_size == current, -f.block_size),
+        )
+        gain = relative_gain(goal, best.goal_value(goal), by_size[current].goal_value(goal))
+        material = gain >= policy.min_gain
+        base.update(forecasts=forecasts, material=material, gain=gain)
+        decision = {"block_size": best.block_size, "prior_block_size": prior}
+        what = _describe(goal, best)
+        if best.block_size == current or not material:
+            spread = max(
+                relative_gain(goal, f.goal_value(goal), by_size[current].goal_value(goal))
+                for f in forecasts
+            )
             reason = (
-                f"B={best.block_size} would save {gain:.3g} s over the next interval, not more "
-                f"than the swap cost {swap:.3g} s x safety {policy.safety_factor:g}: "
+                f"at this load every candidate is within {policy.min_gain:.0%} of B={current} "
+                f"on {goal} (best {spread:+.1%}): keep B={current}"
+                if spread < policy.min_gain
+                else f"B={current} is already the best candidate ({what}): keep it"
+            )
+            return Decision(switch=False, reason=reason, **decision, **base)
+        cost = self.cost_model.switch_cost_s()
+        base["switch_cost_s"] = cost
+        better = f"B={best.block_size} is {gain:.1%} better on {goal} ({what})"
+        if self._last_switch is not None and now - self._last_switch < self._min_dwell_s:
+            reason = (
+                f"{better}, but the last switch was {now - self._last_switch:.0f} s ago "
+                f"(min_dwell {self._min_dwell_s:.0f} s): keep B={current}"
+            )
+            return Decision(switch=False, reason=reason, **decision, **base)
+        payback = gain * max(self._min_dwell_s, policy.interval.total_seconds())
+        if payback <= cost * policy.safety_factor:
+            reason = (
+                f"{better}, but while it stays in force that wins {payback:.3g} s of serving, "
+                "not more "
+                f"than the switch cost {cost:.3g} s x safety {policy.safety_factor:g}: "
                 f"keep B={current}"
             )
-            return Decision(candidates=costs, switch=False, reason=reason, **decision, **base)
-        reason = (
-            f"switch B={current} -> {best.block_size}: {saving:.1%} less time per token, "
-            f"{gain:.3g} s saved over the next interval against a swap cost of {swap:.3g} s"
-        )
-        return Decision(candidates=costs, switch=True, reason=reason, **decision, **base)
+            return Decision(switch=False, reason=reason, **decision, **base)
+        reason = f"switch B={current} -> {best.block_size}: {better}"
+        return Decision(switch=True, reason=reason, **decision, **base)
 
     @property
     def _min_dwell_s(self) -> float:
         return self.policy.min_dwell.total_seconds()
 
-    def _gain_s(
-        self, snapshot: WindowSnapshot, current: CandidateCost, best: CandidateCost
-    ) -> float:
-        interval = self.policy.interval.total_seconds()
-        saturated_tokens = interval / current.objective_s_per_token
-        rate = snapshot.generated_tokens_per_s()
-        tokens = saturated_tokens if rate is None else min(rate * interval, saturated_tokens)
-        return tokens * (current.objective_s_per_token - best.objective_s_per_token)
+
+def _describe(goal: str, forecast: Forecast) -> str:
+    """The goal's value of one forecast, in words."""
+    if goal == "capacity":
+        return f"serves {forecast.capacity:.3g}x the observed load within the SLO"
+    return f"TTFT p99 {forecast.headroom.ttft_p99_s:.3g} s at the headroom load"

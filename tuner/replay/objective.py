@@ -1,4 +1,11 @@
-"""The objective of each policy, in the cost model's unit: seconds per generated token.
+"""How each replayed policy scores: on the policy's goal, and on the per-token cost J(B).
+
+The goal (`GoalScores`, `goal_value`) is what the decision maximises, scored
+on the replay's own runs; the hindsight oracle follows the best static size
+of each interval on it. The cost J(B) below is the cost model's per-token
+term, reported beside it.
+
+The per-token cost of each policy, in the cost model's unit: seconds per generated token.
 
 The trace is cut into decision intervals of `policy.interval` by arrival time.
 For interval i with S_i generated tokens, `CostModel.costs` prices every
@@ -20,11 +27,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from blocktune.tuner.core.cost_model import CostModel
-from blocktune.tuner.replay.workload import Workload
+from blocktune.tuner.core.forecast import goal_higher_is_better
+from blocktune.tuner.core.policy import SloSettings
+from blocktune.tuner.core.simulator import Run
+from blocktune.tuner.core.workload import Workload
 
-__all__ = ["IntervalCosts"]
+__all__ = ["GoalScores", "IntervalCosts", "goal_value", "within_slo"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +104,74 @@ class IntervalCosts:
         for boundary, _, size in switches:
             sizes[min(boundary, len(sizes)) :] = size
         return sizes
+
+
+def within_slo(run: Run, workload: Workload, slo: SloSettings) -> np.ndarray:
+    """Per request: whether its TTFT and its TPOT (requests of 2+ tokens) met the SLO."""
+    ttft = run.first_token_s - workload.arrival_s
+    outputs = workload.output_tokens
+    later = np.maximum(outputs - 1, 1)
+    tpot = np.where(outputs > 1, (run.finish_s - run.first_token_s) / later, 0.0)
+    return (ttft <= slo.ttft_p99_s) & (tpot <= slo.tpot_p99_s)
+
+
+@dataclass(frozen=True)
+class GoalScores:
+    """The policy goal scored per decision interval (by arrival) for every static size.
+
+    For `goal: capacity` a replay runs at the trace's own load, so the capacity
+    goal is scored as SLO goodput: requests served within the SLO per second of
+    the replay. For `goal: ttft_p99` it is the TTFT p99 (lower is better).
+    `per_interval[i, j]` is the interval-i score of `block_sizes[j]`: requests
+    within the SLO (capacity), or the interval's TTFT p99 (NaN when empty).
+    """
+
+    goal: str
+    block_sizes: tuple[int, ...]
+    per_interval: np.ndarray
+
+    @classmethod
+    def of(
+        cls,
+        goal: str,
+        runs: dict[int, Run],
+        workload: Workload,
+        interval_s: float,
+        slo: SloSettings,
+    ) -> GoalScores:
+        """Score each static run of `runs` (by block size) interval by interval."""
+        index = workload.interval_index(interval_s)
+        count = int(index.max()) + 1
+        sizes = tuple(runs)
+        scores = np.full((count, len(sizes)), np.nan)
+        for j, size in enumerate(sizes):
+            run = runs[size]
+            if goal == "capacity":
+                met = within_slo(run, workload, slo)
+                scores[:, j] = np.bincount(index, weights=met, minlength=count)
+            else:
+                ttft = pd.Series(run.first_token_s - workload.arrival_s)
+                scores[:, j] = ttft.groupby(index).quantile(0.99).reindex(range(count))
+        return cls(goal, sizes, scores)
+
+    def best_schedule(self) -> np.ndarray:
+        """The best static size of every interval on the goal (an empty interval keeps the
+        previous one's; ties go to the smaller size)."""
+        higher = goal_higher_is_better(self.goal)
+        best = np.empty(len(self.per_interval), dtype=np.int64)
+        current = self.block_sizes[0]
+        for i, row in enumerate(self.per_interval):
+            if not np.all(np.isnan(row)):
+                pick = int(np.nanargmax(row) if higher else np.nanargmin(row))
+                current = self.block_sizes[pick]
+            best[i] = current
+        return best
+
+
+def goal_value(goal: str, run: Run, workload: Workload, slo: SloSettings) -> float:
+    """A whole run on the goal: SLO goodput [requests/s] for capacity, else TTFT p99 [s]."""
+    if goal == "capacity":
+        span = run.end_s - float(workload.arrival_s[0])
+        met = int(within_slo(run, workload, slo).sum())
+        return met / span if span > 0 else float("nan")
+    return float(np.percentile(run.first_token_s - workload.arrival_s, 99))

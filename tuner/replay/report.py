@@ -9,15 +9,20 @@ do not exist (a percentile of nothing) are null.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
+from blocktune.tuner.core.forecast import goal_higher_is_better
 from blocktune.tuner.core.jsonable import to_jsonable
+from blocktune.tuner.core.text_table import text_table
 from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayReport, static_name
 
 __all__ = [
     "RESULT_KEYS",
     "comparisons",
+    "goal_ratio",
+    "goal_statement",
     "format_replay_table",
     "report_dict",
     "write_json",
@@ -29,6 +34,7 @@ RESULT_KEYS = (
     "tokens_per_s",
     "ttft_p50_s",
     "ttft_p99_s",
+    "tpot_p50_s",
     "tpot_p99_s",
     "e2e_p99_s",
     "peak_kv_bytes",
@@ -36,7 +42,9 @@ RESULT_KEYS = (
     "padding_ratio",
     "preemptions",
     "swaps",
+    "goal_value",
     "objective",
+    "replay_s",
 )
 
 
@@ -55,6 +63,9 @@ def report_dict(report: ReplayReport) -> dict:
         {
             "trace": report.trace,
             "policy": report.policy,
+            "goal": report.policy["goal"],
+            "goal_higher_is_better": goal_higher_is_better(report.policy["goal"]),
+            "warnings": report.warnings,
             "results": [
                 {key: getattr(result, key) for key in RESULT_KEYS} for result in report.results
             ],
@@ -71,59 +82,114 @@ def write_json(report: ReplayReport, path: Path) -> None:
     path.write_text(json.dumps(report_dict(report), indent=2, allow_nan=False) + "\n")
 
 
+def goal_ratio(goal: str, value: float, reference: float) -> float:
+    """`value` against `reference` on `goal`, so that above 1 is better whichever way it points."""
+    if goal_higher_is_better(goal):
+        return value / reference if reference > 0 else math.nan
+    return reference / value if value > 0 else math.nan
+
+
 def comparisons(report: ReplayReport) -> dict[str, float]:
-    """Ratios of the adaptive policy to the oracle and to static-16 (when 16 is a candidate):
+    """The adaptive policy on the goal (above 1: better) against the best static size, the
+    oracle and static-16 (when 16 is a candidate), and on the per-token cost against them:
+    ``adaptive_vs_best_static_goal``, ``adaptive_vs_oracle_goal``,
+    ``adaptive_vs_static16_goal``, ``static_spread_goal`` (best over worst static size),
     ``adaptive_vs_oracle_objective``, ``adaptive_vs_static16_objective``,
     ``adaptive_vs_static16_peak_kv`` and ``adaptive_vs_static16_tokens_per_s``."""
-    adaptive = report.result(ADAPTIVE)
-    ratios = {"adaptive_vs_oracle_objective": adaptive.objective / report.result(ORACLE).objective}
+    goal = report.policy["goal"]
+    adaptive, oracle = report.result(ADAPTIVE), report.result(ORACLE)
+    statics = [r for r in report.results if r.block_size is not None]
+    ranked = sorted(statics, key=lambda r: goal_ratio(goal, r.goal_value, statics[0].goal_value))
+    ratios = {
+        "adaptive_vs_best_static_goal": goal_ratio(
+            goal, adaptive.goal_value, ranked[-1].goal_value
+        ),
+        "adaptive_vs_oracle_goal": goal_ratio(goal, adaptive.goal_value, oracle.goal_value),
+        "static_spread_goal": goal_ratio(goal, ranked[-1].goal_value, ranked[0].goal_value),
+        "adaptive_vs_oracle_objective": adaptive.objective / oracle.objective,
+    }
     name = static_name(DEFAULT_BLOCK_SIZE)
-    if any(r.policy == name for r in report.results):
+    if any(r.policy == name for r in statics):
         static = report.result(name)
+        ratios["adaptive_vs_static16_goal"] = goal_ratio(
+            goal, adaptive.goal_value, static.goal_value
+        )
         ratios["adaptive_vs_static16_objective"] = adaptive.objective / static.objective
         ratios["adaptive_vs_static16_peak_kv"] = adaptive.peak_kv_bytes / static.peak_kv_bytes
         ratios["adaptive_vs_static16_tokens_per_s"] = adaptive.tokens_per_s / static.tokens_per_s
     return ratios
 
 
-_COLUMNS = (
-    # title, unit, value; every column is as wide as its widest cell
-    ("policy", "", lambda r: r.policy),
-    ("B", "tokens", lambda r: "-" if r.block_size is None else str(r.block_size)),
-    ("tok/s", "", lambda r: f"{r.tokens_per_s:.1f}"),
-    ("TTFT p50", "s", lambda r: f"{r.ttft_p50_s:.3f}"),
-    ("TTFT p99", "s", lambda r: f"{r.ttft_p99_s:.3f}"),
-    ("TPOT p50", "ms", lambda r: f"{r.tpot_p50_s * 1e3:.1f}"),
-    ("TPOT p99", "ms", lambda r: f"{r.tpot_p99_s * 1e3:.1f}"),
-    ("e2e p99", "s", lambda r: f"{r.e2e_p99_s:.2f}"),
-    ("peak KV", "", lambda r: format_bytes(r.peak_kv_bytes)),
-    ("mean KV", "", lambda r: format_bytes(r.mean_kv_bytes)),
-    ("padding", "", lambda r: f"{r.padding_ratio:.1%}"),
-    ("preempt", "", lambda r: str(r.preemptions)),
-    ("swaps", "", lambda r: str(r.swaps)),
-    ("objective", "us/tok", lambda r: f"{r.objective * 1e6:.3f}"),
-    ("replay", "s", lambda r: f"{r.replay_s:.2f}"),
-)
+GOAL_COLUMNS = {"capacity": ("goodput", "req/s", 3), "ttft_p99": ("goal TTFT", "s", 3)}
+"""The table column of each goal: title, unit and decimals (capacity is scored as goodput)."""
+
+
+def _columns(goal: str) -> tuple:
+    title, unit, decimals = GOAL_COLUMNS[goal]
+    return (
+        # title, unit, value; every column is as wide as its widest cell
+        ("policy", "", lambda r: r.policy),
+        ("B", "tokens", lambda r: "-" if r.block_size is None else str(r.block_size)),
+        (title, unit, lambda r: f"{r.goal_value:.{decimals}f}"),
+        ("tok/s", "", lambda r: f"{r.tokens_per_s:.1f}"),
+        ("TTFT p50", "s", lambda r: f"{r.ttft_p50_s:.3f}"),
+        ("TTFT p99", "s", lambda r: f"{r.ttft_p99_s:.3f}"),
+        ("TPOT p50", "ms", lambda r: f"{r.tpot_p50_s * 1e3:.1f}"),
+        ("TPOT p99", "ms", lambda r: f"{r.tpot_p99_s * 1e3:.1f}"),
+        ("e2e p99", "s", lambda r: f"{r.e2e_p99_s:.2f}"),
+        ("peak KV", "", lambda r: format_bytes(r.peak_kv_bytes)),
+        ("mean KV", "", lambda r: format_bytes(r.mean_kv_bytes)),
+        ("padding", "", lambda r: f"{r.padding_ratio:.1%}"),
+        ("preempt", "", lambda r: str(r.preemptions)),
+        ("swaps", "", lambda r: str(r.swaps)),
+        ("objective", "us/tok", lambda r: f"{r.objective * 1e6:.3f}"),
+        ("replay", "s", lambda r: f"{r.replay_s:.2f}"),
+    )
+
+
+def goal_statement(report: ReplayReport) -> str:
+    """What the goal column measures, in words."""
+    policy = report.policy
+    slo = policy["slo"]
+    if policy["goal"] == "capacity":
+        return (
+            "goal: capacity, scored in a replay as SLO goodput (requests/s with TTFT <= "
+            f"{slo['ttft_p99_s']:g} s and TPOT <= {slo['tpot_p99_s'] * 1e3:g} ms)"
+        )
+    return "goal: ttft_p99, the TTFT p99 of the replay (lower is better)"
 
 
 def format_replay_table(report: ReplayReport) -> str:
-    """One row per policy, then the adaptive-vs-oracle and adaptive-vs-static-16 ratios."""
-    rows = [[title for title, _, _ in _COLUMNS], [unit for _, unit, _ in _COLUMNS]]
-    rows += [[value(result) for _, _, value in _COLUMNS] for result in report.results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = []
-    for first, *cells in rows:
-        right = "".join(f"  {c:>{w}}" for c, w in zip(cells, widths[1:], strict=True))
-        lines.append(f"{first:<{widths[0]}}{right}")
+    """One row per policy, then the goal, the comparisons and the verdict in words."""
+    columns = _columns(report.policy["goal"])
+    rows = [[title for title, _, _ in columns], [unit for _, unit, _ in columns]]
+    rows += [[value(result) for _, _, value in columns] for result in report.results]
+    lines = text_table(rows)
     ratios = comparisons(report)
-    lines.append(
-        f"adaptive / oracle objective: {ratios['adaptive_vs_oracle_objective']:.4f} "
-        "(the oracle is a lower bound: 1 is the best a tuner can do)"
+    lines.append(goal_statement(report))
+    line = (
+        f"adaptive on the goal: {ratios['adaptive_vs_best_static_goal']:.4f} x the best static "
+        f"size, {ratios['adaptive_vs_oracle_goal']:.4f} x the oracle"
     )
+    if "adaptive_vs_static16_goal" in ratios:
+        line += f", {ratios['adaptive_vs_static16_goal']:.4f} x static-16"
+    lines.append(line + " (above 1: better)")
+    lines.append(
+        "oracle: the best static size of each interval on the goal, in hindsight, swapped for "
+        "free (a reference, not a strict bound)"
+    )
+    spread = ratios["static_spread_goal"] - 1
+    if spread < report.policy["min_gain"]:
+        lines.append(
+            f"every static size is within {spread:.1%} of the best on the goal: the block size "
+            "does not matter for this trace at this load"
+        )
+    else:
+        lines.append(f"the best static size beats the worst by {spread:.1%} on the goal")
     if "adaptive_vs_static16_objective" in ratios:
         peak = ratios["adaptive_vs_static16_peak_kv"] - 1
         lines.append(
-            f"adaptive / static-16: objective {ratios['adaptive_vs_static16_objective']:.4f}, "
+            f"adaptive / static-16: per-token cost {ratios['adaptive_vs_static16_objective']:.4f}, "
             f"tokens/s {ratios['adaptive_vs_static16_tokens_per_s']:.4f}, "
             f"peak KV {peak:+.1%} (the source article claims -19% peak memory)"
         )

@@ -1,25 +1,27 @@
 """Offline replay: every block-size policy served the same trace on a simulated server.
 
 `replay(frame, policy, calibration)` plays the trace through the serving
-simulator (`replay_sim`: continuous batching, a paged KV cache of the policy's
-budget, preemption by recompute, prefix reuse, step times from the
-calibration) once per policy:
+simulator (`core.simulator`: continuous batching, a paged KV cache of the
+policy's budget, the engine's batch limits and chunked prefill, preemption by
+recompute, prefix reuse, step times from the calibration) once per policy:
 
 - ``static-B`` for every candidate B of the policy;
 - ``adaptive``: the real LengthWindow + Selector deciding every
-  `policy.interval` of trace time (`replay_control.AdaptiveController`), each
-  switch charged its modelled swap pause;
-- ``oracle``: the best static size of each interval in hindsight, swapped for
-  free (`replay_objective`); its objective bounds the others from below.
+  `policy.interval` of trace time (`controllers.AdaptiveController`), each
+  switch charged its modelled pause (a live swap, or a vLLM restart);
+- ``oracle``: in hindsight, the best static size of each interval on the
+  policy's goal, swapped for free (`objective.GoalScores`). It is a reference,
+  not a strict bound: sizes interact across interval boundaries.
 
-Each policy's `PolicyResult` has the serving metrics of its run and the
-objective of `replay_objective` (seconds per generated token, as the cost
-model prices it). Requests longer than the smallest candidate's pool could
-never run and are left out (counted in the trace summary).
+Each policy's `PolicyResult` has the serving metrics of its run, its score on
+the policy goal and its per-token cost J. Requests longer than the smallest
+candidate's pool could never run and are left out; `ReplayReport.warnings`
+says so, and names the runs that were overloaded.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -29,12 +31,13 @@ from tqdm import tqdm
 
 from blocktune.tuner.core.calibration import Calibration
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
+from blocktune.tuner.core.forecast import ServingMetrics
 from blocktune.tuner.core.policy import Policy, nearest_power_of_two
+from blocktune.tuner.core.simulator import Controller, Run, simulate
+from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.core.workload import EmptyWorkload, Workload
 from blocktune.tuner.replay.controllers import AdaptiveController, OracleController, TimelinePoint
-from blocktune.tuner.replay.objective import IntervalCosts
-from blocktune.tuner.replay.simulator import Controller, Run, simulate
-from blocktune.tuner.replay.step_cost import StepCostModel
-from blocktune.tuner.replay.workload import EmptyWorkload, Workload
+from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, goal_value
 
 __all__ = [
     "ADAPTIVE",
@@ -66,7 +69,9 @@ class PolicyResult:
     `block_size` is None for the policies that change it. TTFT runs from arrival
     to the first token, TPOT is the mean time between a request's later tokens,
     e2e from arrival to the last token; `tokens_per_s` counts generated tokens
-    over the replay's span. `replay_s` is the wall-clock time the simulation took.
+    over the replay's span. `goal_value` is the policy goal's score of the run
+    (`objective.goal_value`), `objective` its per-token cost J. `replay_s` is the
+    wall-clock time the simulation took.
     """
 
     policy: str
@@ -82,6 +87,7 @@ class PolicyResult:
     padding_ratio: float
     preemptions: int
     swaps: int
+    goal_value: float
     objective: float
     generated_tokens: int
     swap_pause_s: float
@@ -94,34 +100,27 @@ class PolicyResult:
         block_size: int | None,
         run: Run,
         workload: Workload,
-        objective: float,
+        scores: tuple[float, float],
         replay_s: float,
     ) -> PolicyResult:
-        """Summarise a simulated run."""
-        arrival = workload.arrival_s
-        outputs = workload.output_tokens
-        ttft = run.first_token_s - arrival
-        e2e = run.finish_s - arrival
-        later = outputs > 1
-        tpot = (run.finish_s[later] - run.first_token_s[later]) / (outputs[later] - 1)
-        span = run.end_s - float(arrival[0])
-        ttft_p50, ttft_p99 = np.percentile(ttft, [50, 99])
-        tpot_p50, tpot_p99 = np.percentile(tpot, [50, 99]) if len(tpot) else (np.nan, np.nan)
+        """Summarise a simulated run; `scores` is (goal value, objective)."""
+        metrics = ServingMetrics.of(run, workload)
         return cls(
             policy=name,
             block_size=block_size,
-            tokens_per_s=float(run.generated.sum()) / span if span > 0 else float("nan"),
-            ttft_p50_s=float(ttft_p50),
-            ttft_p99_s=float(ttft_p99),
-            tpot_p50_s=float(tpot_p50),
-            tpot_p99_s=float(tpot_p99),
-            e2e_p99_s=float(np.percentile(e2e, 99)),
-            peak_kv_bytes=int(run.peak_kv_bytes),
+            tokens_per_s=metrics.tokens_per_s,
+            ttft_p50_s=metrics.ttft_p50_s,
+            ttft_p99_s=metrics.ttft_p99_s,
+            tpot_p50_s=metrics.tpot_p50_s,
+            tpot_p99_s=metrics.tpot_p99_s,
+            e2e_p99_s=metrics.e2e_p99_s,
+            peak_kv_bytes=metrics.peak_kv_bytes,
             mean_kv_bytes=run.kv_byte_s / run.end_s if run.end_s > 0 else 0.0,
             padding_ratio=run.padding_ratio,
             preemptions=run.preemptions,
             swaps=run.swaps,
-            objective=objective,
+            goal_value=scores[0],
+            objective=scores[1],
             generated_tokens=int(run.generated.sum()),
             swap_pause_s=run.swap_pause_s,
             replay_s=replay_s,
@@ -144,6 +143,7 @@ class ReplayReport:
     interval_s: float
     workload: Workload = field(repr=False)
     runs: dict[str, Run] = field(repr=False)
+    warnings: list[str] = field(default_factory=list)
 
     def result(self, name: str) -> PolicyResult:
         """The result of the policy called `name` (KeyError if absent)."""
@@ -191,24 +191,35 @@ def replay(
         runs[name] = run
         return run, time.perf_counter() - start
 
+    def scores(run: Run, objective: float) -> tuple[float, float]:
+        return goal_value(policy.goal, run, workload, policy.slo), objective
+
+    static_runs = {}
     for size in policy.candidates:
         run, seconds = play(static_name(size), size, None)
-        results.append(
-            PolicyResult.of(static_name(size), size, run, workload, costs.static(size), seconds)
+        static_runs[size] = run
+        result = PolicyResult.of(
+            static_name(size), size, run, workload, scores(run, costs.static(size)), seconds
         )
+        results.append(result)
     adaptive = AdaptiveController(
         policy, calibration, workload.prompt_tokens, workload.output_tokens, workload.group
     )
     run, seconds = play(ADAPTIVE, initial, adaptive)
     in_force = costs.sizes_in_force(initial, run.switches)
     objective = costs.schedule(in_force, run.swap_pause_s)
-    results.append(PolicyResult.of(ADAPTIVE, None, run, workload, objective, seconds))
-    schedule = costs.best_schedule()
+    results.append(PolicyResult.of(ADAPTIVE, None, run, workload, scores(run, objective), seconds))
+    goal = GoalScores.of(policy.goal, static_runs, workload, costs.interval_s, policy.slo)
+    schedule = goal.best_schedule()
     oracle = OracleController(costs.interval_s, schedule)
     run, seconds = play(ORACLE, int(schedule[0]), oracle)
-    results.append(PolicyResult.of(ORACLE, None, run, workload, costs.schedule(schedule), seconds))
+    result = PolicyResult.of(
+        ORACLE, None, run, workload, scores(run, costs.schedule(schedule)), seconds
+    )
+    results.append(result)
+    trace = _trace_summary(label, workload, len(loaded) - len(workload))
     return ReplayReport(
-        trace=_trace_summary(label, workload, len(loaded) - len(workload)),
+        trace=trace,
         policy=_policy_summary(policy, calibration, initial),
         results=results,
         timeline=adaptive.timeline,
@@ -216,6 +227,7 @@ def replay(
         interval_s=costs.interval_s,
         workload=workload,
         runs=runs,
+        warnings=replay_warnings(trace, results, runs, workload, policy),
     )
 
 
@@ -253,6 +265,47 @@ def _policy_summary(policy: Policy, calibration: Calibration, initial: int) -> d
         "window_capacity": policy.window.capacity,
         "window_min_samples": policy.window.min_samples,
         "safety_factor": policy.safety_factor,
+        "goal": policy.goal,
+        "slo": policy.slo.model_dump(),
+        "headroom": policy.headroom,
+        "min_gain": policy.min_gain,
+        "engine": policy.engine,
         "initial_block_size": initial,
         "calibration": calibration.describe(),
     }
+
+
+OVERLOAD_SERVED_SHARE = 0.95
+"""A run that serves less than this share of the offered token rate is called overloaded."""
+
+
+def replay_warnings(
+    trace: dict, results: list[PolicyResult], runs: dict[str, Run], workload: Workload, policy
+) -> list[str]:
+    """What makes a replay's figures mean less than they seem, in words."""
+    warnings = []
+    span = trace["duration_s"]
+    interval = policy.interval.total_seconds()
+    if span < interval:
+        warnings.append(
+            f"the trace spans {span:.0f} s, less than one decision interval ({interval:g} s): "
+            "the adaptive policy decides only once the trace's last requests run past it, so "
+            "its result says little"
+        )
+    if trace["too_long_for_the_pool"]:
+        warnings.append(
+            f"{trace['too_long_for_the_pool']} of {trace['requests']} requests are longer than "
+            "the smallest candidate's KV pool and were left out"
+        )
+    offered = float(workload.output_tokens.sum()) / span if span > 0 else math.inf
+    for result in results:
+        run = runs[result.policy]
+        served = result.tokens_per_s
+        if served < OVERLOAD_SERVED_SHARE * offered:
+            backlog = run.end_s - float(workload.arrival_s[-1])
+            warnings.append(
+                f"{result.policy}: overloaded: offered {offered:.1f} tok/s, served "
+                f"{served:.1f} tok/s; the backlog drains {backlog:.0f} s after the last "
+                "arrival, so its latencies measure the queue"
+            )
+    return warnings

@@ -90,8 +90,8 @@ def demo_policy(worker_url: str, interval_s: float, window: dict | None = None) 
             "interval": f"{interval_s:g}s",
             "min_dwell": f"{2 * interval_s:g}s",
             "window": window or {"capacity": 60, "min_samples": 20},
-            # Measured: the worker's aligned allocator makes grows copy (almost) nothing.
-            "grow_copy_fraction": 0.0,
+            # A KV budget the promotion burst fills, so that there the block size matters.
+            "kv_budget": "64MiB",
             "mode": "enforce",
             "auth": {"token_env": TOKEN_ENV},
             "actuator": {"kind": "http", "url": worker_url, "token_env": TOKEN_ENV},
@@ -340,9 +340,11 @@ def _serve_traffic(
     restart_sidecar_at_s: float | None,
     out,
 ) -> None:
-    """Drive the workload, print a line per interval (restarting the sidecar once if asked)
-    and record the swaps and the blocks in use when idle."""
-    start = time.monotonic()
+    """Drive the workload, print a line per interval (restarting the sidecar once if asked,
+    growing the blocks by hand at five sixths of the traffic) and record the swaps and the
+    blocks in use when idle."""
+    start, grown = time.monotonic(), False
+    grow_at_s = workload.arrival_s.max() * 5 / 6
     traffic = _drive(services.worker_url, workload, report)
     while traffic.is_alive():
         traffic.join(timeout=interval_s)
@@ -354,6 +356,9 @@ def _serve_traffic(
                 f"sidecar restarted: window held {report.restart['before']} requests before, "
                 f"{report.restart['after']} after restoring its state file"
             )
+        if not grown and elapsed >= grow_at_s:
+            grown = True
+            out(_operator_grow(services.worker_url, services.env[TOKEN_ENV]))
         line, point, new = _live_line(
             elapsed, workload, services.worker_url, services.sidecar_url, len(report.swaps)
         )
@@ -413,6 +418,23 @@ def _verify(workload: pd.DataFrame, report: ClosedLoopReport, loaded, out) -> No
             report.verified += 1
             report.identical += report.completions[index] == output.token_ids
     out(f"{report.identical}/{report.requests} completions identical to the run without swaps")
+
+
+def _operator_grow(worker_url: str, token: str) -> str:
+    """Swap the worker back to the default size by hand, with requests in flight: the
+    sidecar's forecast keeps B=8 for this traffic (8 serves it at least as well), so the
+    demo grows the blocks itself to show a live grow keeps every token too."""
+    response = httpx.post(
+        f"{worker_url}/admin/block-size",
+        json={"block_size": DEFAULT_BLOCK_SIZE},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=120,
+    )
+    result = response.json()
+    return (
+        f"operator: POST /admin/block-size {DEFAULT_BLOCK_SIZE} (a live grow, requests in "
+        f"flight): {result.get('status')}; the sidecar may shrink again where 8 serves better"
+    )
 
 
 def _window_count(sidecar_url: str) -> int:

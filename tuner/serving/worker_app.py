@@ -221,6 +221,11 @@ async def _stream(prepared: Prepared, first: tuple, rest, include_usage: bool):
     yield _sse("[DONE]")
 
 
+async def _drain(items) -> None:
+    async for _ in items:
+        pass
+
+
 async def _unless_gone(work, request: Request) -> None:
     """Await `work`, cancelling it (and so its engine jobs) if the client disconnects."""
     task = asyncio.ensure_future(work)
@@ -316,11 +321,6 @@ def create_worker_app(
         return {"status": "ok"}
 
     return app
-
-
-async def _drain(items) -> None:
-    async for _ in items:
-        pass
 
 
 def serve_worker(

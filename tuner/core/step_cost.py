@@ -87,6 +87,6 @@ class StepCostModel:
             prefill_s_per_token=costs.prefill_s_per_token,
         )
 
-    def swap_pause_s(self, live_tokens: int, old_block_size: int, new_block_size: int) -> float:
-        """Modelled pause of a block-size swap, priced as the selector prices it."""
-        return self.cost_model.swap_cost_s(live_tokens, old_block_size, new_block_size)
+    def swap_pause_s(self, bytes_moved: int = 0) -> float:
+        """Modelled pause of a block-size change, priced as the selector prices it."""
+        return self.cost_model.switch_cost_s(bytes_moved)

@@ -7,11 +7,17 @@ it). Every step
 
 1. admits waiting requests, oldest first (preempted ones go back to the
    front), while the blocks they need for this step are free, after the blocks
-   the running requests need for this step; each of a request's shareable
-   prefix blocks (`Workload.shared_blocks`) is taken from the prefix cache when
+   the running requests need for this step, and while fewer than the policy's
+   `max_num_seqs` are in the batch; each of a request's shareable prefix
+   blocks (`Workload.shared_blocks`) is taken from the prefix cache when
    present there (blocks are matched one by one, by their chained key);
 2. prefills what is not cached (a preempted request recomputes its prompt and
-   the tokens it had generated);
+   the tokens it had generated). Without a token budget a whole prompt is
+   computed in its admission step. With chunked prefill
+   (`policy.max_num_batched_tokens`, as vLLM schedules it) a step computes at
+   most that many tokens: one per running request, the rest for prompt chunks
+   of the admitted requests in admission order; a request joins the running
+   ones (and makes its first token) in the step that computes its last chunk;
 3. generates one token for every running request, the admitted ones included,
    taking a new block for each request whose last block is full; when the
    pool has too few, the youngest running requests are preempted (their blocks
@@ -28,10 +34,13 @@ controller's decision time) the running set is fixed, so the steps' blocks and
 times follow in closed form: `_Server` computes them for a stretch of steps at
 once with numpy instead of looping per step.
 
+While prompt chunks are pending, the server advances one step at a time.
+
 A `Controller` changes the block size at interval boundaries of trace time (at
 the first step boundary after each). A switch rebuilds the running requests'
 blocks at the new size (preempting the youngest if they no longer fit) and, if
-the controller says so, pauses the server for `StepCostModel.swap_pause_s`.
+the controller says so, pauses the server for `StepCostModel.swap_pause_s` (a
+live swap's pause for blocktune's engine, a restart for vLLM).
 """
 
 from __future__ import annotations
@@ -43,8 +52,8 @@ from typing import Protocol
 
 import numpy as np
 
-from blocktune.tuner.replay.step_cost import StepCostModel
-from blocktune.tuner.replay.workload import Workload
+from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.core.workload import Workload
 
 __all__ = ["Controller", "Run", "simulate"]
 
@@ -167,6 +176,14 @@ class _Server:
         self.peak_bytes = self.peak_blocks = 0
         self.kv_byte_s = self.busy_s = self.pause_s = 0.0
         self.prefill_tokens = 0  # prompt tokens computed in the coming step
+        policy = server.policy
+        self.max_seqs = policy.max_num_seqs
+        self.token_budget = policy.max_num_batched_tokens
+        # Admitted requests whose prompt chunks are still being computed (chunked prefill):
+        # [row, tokens left to compute, held tokens, shared blocks]; `pending_blocks` is what
+        # they reserve (their blocks for their first step, less shared prefix blocks).
+        self.prefilling: deque[list[int]] = deque()
+        self.pending_blocks = 0
         self.switches: list[tuple[int, float, int]] = []
         self._offsets = np.arange(HORIZON_STEPS, dtype=np.int64)
         self._set_block_size(block_size)
@@ -189,7 +206,7 @@ class _Server:
             if self.controller is not None:
                 self._maybe_decide()
             admitted = bool(self.waiting) and self._admit()
-            if not len(self.ids):
+            if not len(self.ids) and not self.prefilling:
                 assert not self.waiting, "a waiting request does not fit an empty pool"
                 if self.next_arrival == total:
                     break
@@ -198,6 +215,11 @@ class _Server:
             if self._need() > self.num_blocks - self._referenced():
                 self._preempt_until_fits()
                 continue
+            if self.prefilling:
+                admitted = self._take_prompt_chunks()
+                if not len(self.ids):
+                    self._prefill_only_step()
+                    continue
             self._advance(admitted)
         return Run(
             block_size=self.initial_block_size,
@@ -235,8 +257,8 @@ class _Server:
         return int(self.base_counts[-self.steps % self.block_size])
 
     def _referenced(self) -> int:
-        """Blocks held by running requests (shared prefix blocks once)."""
-        return self.table_blocks - self.sum_shared + len(self.refs)
+        """Blocks held by running and prefilling requests (shared prefix blocks once)."""
+        return self.table_blocks - self.sum_shared + len(self.refs) + self.pending_blocks
 
     def _evict_to_fit(self) -> None:
         spare = self.num_blocks - self._referenced()
@@ -266,12 +288,13 @@ class _Server:
     def _admit(self) -> bool:
         """Admit waiting requests that fit after the running ones' blocks for this step;
         their prefill time goes into this step. True if any was admitted."""
-        size, w, steps = self.block_size, self.w, self.steps
+        size, w = self.block_size, self.w
         available = self.num_blocks - self._referenced() - self._need()
         if self.blocked and self.blocked[0] == self.waiting[0] and self.blocked[1] > available:
             return False
-        rows, bases, lasts, shares, prefill = [], [], [], [], 0
-        while self.waiting:
+        joining, prefill = [], 0
+        room = self.max_seqs - len(self.ids) - len(self.prefilling)
+        while self.waiting and room > 0:
             request = self.waiting[0]
             held = int(w.prompt_tokens[request] + self.generated[request])
             shared = w.shared_blocks(request, held, size) if request in w.chains else 0
@@ -283,6 +306,7 @@ class _Server:
                 self.blocked = (request, blocks)
                 break
             available -= blocks
+            room -= 1
             self.waiting.popleft()
             for key in keys:
                 if key in self.evictable:
@@ -290,27 +314,77 @@ class _Server:
                 self.refs[key] = self.refs.get(key, 0) + 1
             if keys:
                 self.keys_of[request] = keys
-            prefill += held - (held_hits + cached_hits) * size
-            rows.append(request)
-            bases.append(held - steps)
-            lasts.append(steps + int(w.output_tokens[request] - self.generated[request]))
-            shares.append(shared)
-            self.base_counts[(held - steps) % size] += 1
+            compute = held - (held_hits + cached_hits) * size
+            if self.token_budget is None:
+                prefill += compute
+                joining.append((request, held, shared))
+            else:
+                self.prefilling.append([request, compute, held, shared])
+                self.pending_blocks += -(-(held + 1) // size) - shared
+        if joining:
+            self._join(joining)
+            self.prefill_tokens = prefill
+        self._evict_to_fit()
+        return bool(joining)
+
+    def _join(self, joining: list[tuple[int, int, int]]) -> None:
+        """Add (row, held tokens, shared blocks) to the running requests for the next step."""
+        size, steps, w = self.block_size, self.steps, self.w
+        rows = [request for request, _, _ in joining]
+        bases = [held - steps for _, held, _ in joining]
+        shares = [shared for _, _, shared in joining]
+        lasts = [steps + int(w.output_tokens[r] - self.generated[r]) for r in rows]
+        for base, (_, held, _) in zip(bases, joining, strict=True):
+            self.base_counts[base % size] += 1
             self.table_blocks += -(-held // size)
-        if not rows:
-            return False
         self.ids = np.concatenate((self.ids, rows))
         self.base = np.concatenate((self.base, bases))
         self.last = np.concatenate((self.last, lasts))
         self.shared = np.concatenate((self.shared, shares))
         self.sum_base += sum(bases)
         self.sum_shared += sum(shares)
-        self.prefill_tokens = prefill
-        self._evict_to_fit()
-        return True
+
+    def _take_prompt_chunks(self) -> bool:
+        """Spend the next step's token budget: one token per running request, the rest on
+        pending prompt chunks in admission order; requests whose last chunk is computed join
+        the running ones. Sets the step's prefill tokens; True if any request joined."""
+        budget = max(0, self.token_budget - len(self.ids))
+        joining, computed = [], 0
+        for entry in self.prefilling:
+            if budget == 0:
+                break
+            take = min(entry[1], budget)
+            entry[1] -= take
+            budget -= take
+            computed += take
+        while self.prefilling and self.prefilling[0][1] == 0:
+            request, _, held, shared = self.prefilling.popleft()
+            self.pending_blocks -= -(-(held + 1) // self.block_size) - shared
+            joining.append((request, held, shared))
+        if joining:
+            self._join(joining)
+        self.prefill_tokens = computed
+        return bool(joining) or computed > 0
+
+    def _prefill_only_step(self) -> None:
+        """A step that computes prompt chunks while nothing decodes."""
+        cost = self.cost
+        step_s = cost.fixed_s + self.prefill_tokens * cost.prefill_s_per_token
+        self._account(np.array([self._referenced()]), np.array([step_s]), 0, step_s)
+        self.t += step_s
+        self.steps += 1
+        self.table_blocks = int((-(-(self.base + self.steps) // self.block_size)).sum())
 
     def _preempt_youngest(self) -> None:
-        """Free the blocks of the latest-arrived running request and queue it first."""
+        """Free the blocks of the latest-arrived running or prefilling request and queue it
+        first (a prefilling one loses its computed chunks)."""
+        if self.prefilling and (not len(self.ids) or self.prefilling[-1][0] > self.ids.max()):
+            request, _, held, shared = self.prefilling.pop()
+            self.pending_blocks -= -(-(held + 1) // self.block_size) - shared
+            self._release(request)
+            self.waiting.appendleft(request)
+            self.counters["preemptions"] += 1
+            return
         index = int(np.argmax(self.ids))
         request = int(self.ids[index])
         held = int(self.base[index]) + self.steps
@@ -332,7 +406,7 @@ class _Server:
         """Run the steps up to the next event, in closed form; finish whoever is done."""
         size, cost, n, steps = self.block_size, self.cost, len(self.ids), self.steps
         first_finish = int(self.last.min()) - steps
-        horizon = min(first_finish, HORIZON_STEPS)
+        horizon = 1 if self.prefilling else min(first_finish, HORIZON_STEPS)
         offsets = self._offsets[:horizon]
         new_blocks = self.base_counts[(-steps - offsets) % size]
         table_blocks = self.table_blocks + np.cumsum(new_blocks)
@@ -406,14 +480,15 @@ class _Server:
     def _swap(self, boundary: int, new_size: int) -> None:
         """Rebuild the running requests' blocks at `new_size`; pause for the copy."""
         old_size = self.block_size
-        held = self.sum_base + len(self.ids) * self.steps
-        live_tokens = held - (self.sum_shared - len(self.refs)) * old_size
-        pause = (
-            self.server.swap_pause_s(live_tokens, old_size, new_size)
-            if self.controller.charges_swaps
-            else 0.0
-        )
+        # The simulated allocator keeps each request's blocks in aligned runs, as the engine's
+        # does, so the plan of a grow (and of a shrink) moves no bytes: only the pause counts.
+        pause = self.server.swap_pause_s() if self.controller.charges_swaps else 0.0
         held_bytes = self._referenced() * old_size * self.slot_bytes
+        while self.prefilling:  # their chunks are recomputed at the new size
+            request, _, held, shared = self.prefilling.pop()
+            self.pending_blocks -= -(-(held + 1) // old_size) - shared
+            self._release(request)
+            self.waiting.appendleft(request)
         self._set_block_size(new_size)
         self.shared = self.shared * old_size // new_size
         self.refs, self.evictable, self.keys_of = {}, OrderedDict(), {}

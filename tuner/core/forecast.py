@@ -1,0 +1,212 @@
+"""What a user would see at each candidate block size: the recent window, served again.
+
+The window's latest requests (their lengths and arrival process) are replayed
+through the serving simulator that `blocktune replay` runs, once per candidate
+block size, at the observed load and at the policy's `headroom` multiple of it.
+Each run gives the serving metrics a user feels (tokens/s, TTFT and TPOT
+percentiles, peak KV, preemptions). The **capacity** of a block size is the
+largest multiple of the observed arrival rate at which the policy's SLO (TTFT
+p99 and TPOT p99) still holds, found by bisection on a log scale within
+`CAPACITY_RANGE`.
+
+Deciding needs only whether another size beats the one in force by the
+policy's `min_gain`, so the capacity of the size in force is bisected to
+`CAPACITY_TOLERANCE`, and every other size is first probed just above and just
+below it: a size that passes above is bisected upwards, one that fails below
+downwards (coarsely, `COARSE_STEPS`), and one in between is reported at the
+size in force's capacity, within `min_gain` of it. Capacities are monotone in
+the load multiple for this simulator (more load never serves faster), which is
+what the bisection relies on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from blocktune.tuner.core.calibration import Calibration
+from blocktune.tuner.core.policy import Policy, SloSettings
+from blocktune.tuner.core.simulator import Run, simulate
+from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.core.window import WindowSnapshot
+from blocktune.tuner.core.workload import Workload
+
+__all__ = [
+    "CAPACITY_RANGE",
+    "FORECAST_REQUESTS",
+    "Forecast",
+    "Forecaster",
+    "ServingMetrics",
+]
+
+FORECAST_REQUESTS = 128
+"""The window's latest requests a forecast replays (a window holds up to its capacity)."""
+
+CAPACITY_RANGE = (1 / 64, 64.0)
+"""The multiples of the observed arrival rate a capacity search spans (its result is clamped)."""
+
+CAPACITY_TOLERANCE = 0.01
+"""Relative width at which the capacity of the size in force is considered found."""
+
+COARSE_STEPS = 3
+"""Bisection steps for a size that is clearly worse than the one in force."""
+
+
+@dataclass(frozen=True)
+class ServingMetrics:
+    """One simulated run as a user sees it (seconds; KV bytes across all layers)."""
+
+    tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    e2e_p99_s: float
+    peak_kv_bytes: int
+    preemptions: int
+
+    @classmethod
+    def of(cls, run: Run, workload: Workload) -> ServingMetrics:
+        """The metrics of `run`, a simulation of `workload` (TPOT over requests of 2+ tokens)."""
+        arrival, outputs = workload.arrival_s, workload.output_tokens
+        ttft = run.first_token_s - arrival
+        later = outputs > 1
+        tpot = (run.finish_s[later] - run.first_token_s[later]) / (outputs[later] - 1)
+        span = run.end_s - float(arrival[0])
+        tpot_p50, tpot_p99 = np.percentile(tpot, [50, 99]) if len(tpot) else (np.nan, np.nan)
+        ttft_p50, ttft_p99 = np.percentile(ttft, [50, 99])
+        return cls(
+            tokens_per_s=float(run.generated.sum()) / span if span > 0 else math.nan,
+            ttft_p50_s=float(ttft_p50),
+            ttft_p99_s=float(ttft_p99),
+            tpot_p50_s=float(tpot_p50),
+            tpot_p99_s=float(tpot_p99),
+            e2e_p99_s=float(np.percentile(run.finish_s - arrival, 99)),
+            peak_kv_bytes=int(run.peak_kv_bytes),
+            preemptions=int(run.preemptions),
+        )
+
+    def meets(self, slo: SloSettings) -> bool:
+        """Whether both p99 latencies are within the SLO (no TPOT counts as within)."""
+        tpot_ok = math.isnan(self.tpot_p99_s) or self.tpot_p99_s <= slo.tpot_p99_s
+        return self.ttft_p99_s <= slo.ttft_p99_s and tpot_ok
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """One candidate's predicted service: at the observed load, at headroom, and its capacity."""
+
+    block_size: int
+    observed: ServingMetrics
+    headroom: ServingMetrics
+    capacity: float
+
+    def goal_value(self, goal: str) -> float:
+        """The policy goal's value: the capacity, or TTFT p99 at the headroom load."""
+        return self.capacity if goal == "capacity" else self.headroom.ttft_p99_s
+
+
+def goal_higher_is_better(goal: str) -> bool:
+    """Capacity is maximised; a latency is minimised."""
+    return goal == "capacity"
+
+
+def relative_gain(goal: str, candidate: float, reference: float) -> float:
+    """How much better `candidate` is than `reference` on `goal`, as a fraction of it."""
+    if not reference > 0:
+        return math.inf if candidate > reference and goal_higher_is_better(goal) else 0.0
+    if goal_higher_is_better(goal):
+        return candidate / reference - 1
+    return 1 - candidate / reference
+
+
+class Forecaster:
+    """Replays a window's requests through the serving simulator for each block size."""
+
+    def __init__(self, policy: Policy, calibration: Calibration) -> None:
+        self.policy = policy
+        self.server = StepCostModel(policy, calibration)
+
+    def workload_of(self, snapshot: WindowSnapshot) -> Workload | None:
+        """The window's latest `FORECAST_REQUESTS` requests as a workload, arriving at their
+        recorded times (less those no pool could hold), or None without two of them over a
+        time span."""
+        order = np.argsort(snapshot.timestamps, kind="stable")[-FORECAST_REQUESTS:]
+        stamps = snapshot.timestamps[order]
+        if len(stamps) < 2 or not stamps[-1] > stamps[0]:
+            return None
+        fits = min(self.server.capacity_slots(b) for b in self.policy.candidates)
+        workload = Workload(
+            arrival_s=stamps - stamps[0],
+            prompt_tokens=np.maximum(snapshot.prompt_tokens[order], 1),
+            output_tokens=np.maximum(snapshot.output_tokens[order], 1),
+            group=[None] * len(order),
+            shareable_tokens=np.zeros(len(order), dtype=np.int64),
+            chains={},
+        ).without_longer_than(fits)
+        return workload if len(workload) >= 2 else None
+
+    def metrics(self, workload: Workload, block_size: int, load: float) -> ServingMetrics:
+        """Serve `workload` at `load` times its arrival rate at a fixed `block_size`."""
+        scaled = replace(workload, arrival_s=workload.arrival_s / load)
+        return ServingMetrics.of(simulate(scaled, self.server, block_size), scaled)
+
+    def forecast(
+        self, workload: Workload, current: int, block_sizes: tuple[int, ...]
+    ) -> list[Forecast]:
+        """A `Forecast` per block size; `current` (the size in force) is priced first and
+        most precisely (see the module docstring)."""
+        headroom, gain = self.policy.headroom, self.policy.min_gain
+        runs = {
+            b: (self.metrics(workload, b, 1.0), self.metrics(workload, b, headroom))
+            for b in block_sizes
+        }
+        reference = self._capacity(workload, current, runs[current])
+        out = []
+        for b in block_sizes:
+            capacity = reference
+            if b != current and self._meets(workload, b, reference * (1 + gain)):
+                capacity = self._bisect(workload, b, reference * (1 + gain), CAPACITY_RANGE[1])
+            elif b != current and not self._meets(workload, b, reference * (1 - gain)):
+                low = max(CAPACITY_RANGE[0], reference / 8)
+                capacity = self._bisect(workload, b, low, reference * (1 - gain), COARSE_STEPS)
+            out.append(Forecast(b, runs[b][0], runs[b][1], capacity))
+        return out
+
+    def _meets(self, workload: Workload, b: int, load: float) -> bool:
+        return self.metrics(workload, b, load).meets(self.policy.slo)
+
+    def _capacity(self, workload: Workload, b: int, known: tuple) -> float:
+        """The capacity of `b`, bracketed from its observed and headroom runs, then bisected."""
+        low_limit, high_limit = CAPACITY_RANGE
+        headroom, slo = self.policy.headroom, self.policy.slo
+        if known[1].meets(slo):
+            low, high = headroom, headroom * 4
+            while high < high_limit and self._meets(workload, b, high):
+                low, high = high, high * 4
+            high = min(high, high_limit)
+        elif known[0].meets(slo):
+            low, high = 1.0, headroom
+        else:
+            low, high = 0.25, 1.0
+            while low > low_limit and not self._meets(workload, b, low):
+                low, high = low / 4, low
+            low = max(low, low_limit)
+        return self._bisect(workload, b, low, high)
+
+    def _bisect(self, workload: Workload, b: int, low: float, high: float, steps: int = 0) -> float:
+        """Bisect (geometric midpoints) between a passing `low` and a failing `high`;
+        without `steps`, to `CAPACITY_TOLERANCE`. Returns the last passing multiple."""
+        if not high > low:
+            return min(low, high)
+        if steps == 0:
+            steps = max(1, math.ceil(math.log2(math.log(high / low) / CAPACITY_TOLERANCE)))
+        for _ in range(steps):
+            middle = math.sqrt(low * high)
+            if self._meets(workload, b, middle):
+                low = middle
+            else:
+                high = middle
+        return low
