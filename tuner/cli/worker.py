@@ -59,9 +59,9 @@ def run_worker(args: argparse.Namespace) -> int:
     token = token_from_env(token_env)
     try:
         check_bind(args.host, token)
-        model, _ = load_model_from_args(args, device=args.device)
+        loaded = load_model_from_args(args)
         engine = Engine(
-            model,
+            loaded.model,
             EngineConfig(
                 block_size=args.block_size,
                 kv_bytes=args.kv_bytes,
@@ -81,7 +81,16 @@ def run_worker(args: argparse.Namespace) -> int:
         pusher = LengthPusher(args.sidecar, token_from_env(args.sidecar_token_env))
         engine.add_listener(pusher.observe)
         pusher.start()
-    serve_worker(loop, host=args.host, port=args.port, token=token, pusher=pusher, server=server)
+    serve_worker(
+        loop,
+        model_name=args.served_model_name or args.model,
+        tokenizer=loaded.tokenizer,
+        host=args.host,
+        port=args.port,
+        token=token,
+        pusher=pusher,
+        server=server,
+    )
     return 0
 
 
@@ -91,15 +100,24 @@ def register(commands: argparse._SubParsersAction) -> None:
         "worker",
         help="serve completions on the paged engine, with live block-size swaps",
         description=(
-            "An HTTP worker around blocktune's continuous-batching engine: POST "
-            "/v1/completions, POST /admin/block-size (bearer token), GET /admin/state, "
-            "/metrics and /healthz. With --sidecar, finished request lengths are pushed "
-            "to a blocktune sidecar."
+            "An HTTP worker around blocktune's continuous-batching engine with an "
+            "OpenAI-compatible API: GET /v1/models, POST /v1/completions and "
+            "/v1/chat/completions (streaming with stream: true); POST /admin/block-size "
+            "(bearer token), GET /admin/state, /metrics (Prometheus) and /healthz. With "
+            "--sidecar, finished request lengths are pushed to a blocktune sidecar."
         ),
     )
     add_engine_arguments(parser, max_num_seqs=64)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's id in the API, which requests' model field must match "
+        "(default: the --model value)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     parser.add_argument(
         "--policy",
         default=None,
@@ -116,7 +134,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         "(default: the policy's, else 8 16 32 64 128)",
     )
     parser.add_argument(
-        "--kv-bytes", type=parse_bytes, default=64 * 2**20, help="KV pool size (default 64MiB)"
+        "--kv-bytes",
+        type=parse_bytes,
+        default=64 * 2**20,
+        help="KV pool size, e.g. 64MiB or 1GiB (default: 64MiB)",
     )
     parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
     parser.add_argument(
@@ -128,6 +149,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--sidecar-token-env",
         default=DEFAULT_TOKEN_ENV,
-        help="environment variable holding the sidecar's bearer token",
+        help="environment variable holding the sidecar's bearer token (default: %(default)s)",
     )
     parser.set_defaults(handler=run_worker)
