@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
     add_calibration_argument,
@@ -25,6 +27,10 @@ from blocktune.tuner.cli._common import (
     block_size_arg,
     positive_int,
 )
+
+if TYPE_CHECKING:
+    from blocktune.runtime.model import LlamaModel
+    from blocktune.tuner.core.calibration import Calibration
 
 __all__ = ["register"]
 
@@ -91,8 +97,16 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine_calibration(args, calibration, model, name, block_sizes, progress):
-    """The calibration given (it must have an engine section), or one measured now."""
+def _engine_calibration(
+    args: argparse.Namespace,
+    calibration: Calibration,
+    model: LlamaModel,
+    name: str,
+    block_sizes: tuple[int, ...],
+    progress: Callable[[str], None],
+) -> Calibration:
+    """The calibration given (it must have an engine section), or one measured now with the
+    default grid; torch uses the calibration's threads unless --threads says otherwise."""
     from blocktune.tuner.cli._common import set_threads
     from blocktune.tuner.core.calibration import CalibrationError
     from blocktune.tuner.core.engine_measure import default_engine_grid, measure_engine_calibration

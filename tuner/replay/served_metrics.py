@@ -7,17 +7,27 @@ without loading the simulator.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     from blocktune.tuner.core.workload import Workload
 
-__all__ = ["HIGHER_IS_BETTER", "METRICS", "ServedMetrics"]
+__all__ = ["HIGHER_IS_BETTER", "METRICS", "ServedMetrics", "ServedRun"]
 
 HIGHER_IS_BETTER = ("tokens_per_s",)
 """Metrics where more is better; for every other one less is."""
+
+
+class ServedRun(Protocol):
+    """What a served workload left behind: a simulated `Run` or a `LiveRun`."""
+
+    first_token_s: np.ndarray
+    finish_s: np.ndarray
+    generated: np.ndarray
+    peak_blocks: int
+    preemptions: int
 
 
 @dataclass(frozen=True)
@@ -33,24 +43,15 @@ class ServedMetrics:
     preemptions: float
 
     @classmethod
-    def of(
-        cls,
-        workload: Workload,
-        first_token_s: np.ndarray,
-        finish_s: np.ndarray,
-        generated: np.ndarray,
-        peak_kv_blocks: int,
-        preemptions: int,
-    ) -> ServedMetrics:
-        """The metrics of a served workload (times per workload row, as
-        `ServingMetrics.of_times` computes them)."""
+    def of(cls, workload: Workload, run: ServedRun) -> ServedMetrics:
+        """The metrics of `run` on `workload` (times as `ServingMetrics.of_times` computes)."""
         from blocktune.tuner.core.forecast import ServingMetrics
 
-        times = ServingMetrics.of_times(workload, first_token_s, finish_s, generated)
+        times = ServingMetrics.of_times(workload, run.first_token_s, run.finish_s, run.generated)
         return cls(
             **{key: getattr(times, key) for key in METRICS[:5]},
-            peak_kv_blocks=float(peak_kv_blocks),
-            preemptions=float(preemptions),
+            peak_kv_blocks=float(run.peak_blocks),
+            preemptions=float(run.preemptions),
         )
 
     @classmethod

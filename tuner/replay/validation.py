@@ -6,8 +6,10 @@ For every block size B, `validate` serves the workload on the live engine
 pool: the policy's KV budget in whole blocks of B, for the live model's shape
 (the policy's `model` section is replaced by it), priced by the calibration.
 The live steps are timed with the clock of the calibration's engine section.
-The engine runs with one batch row per pool block (the simulator has no row
-limit), prefix caching and no chunked prefill, as the simulator schedules.
+The engine takes the policy's batch limits (`max_num_seqs`, and
+`max_num_batched_tokens` for chunked prefill), as the simulator does; prefix
+caching is on unless prefills are chunked (the engine cannot combine the two,
+so then only the simulator reuses prefix blocks).
 
 `BlockSizeCheck` holds the predicted and the measured metrics; the relative
 error is predicted / measured - 1 (against the mean of the live runs), and its
@@ -137,6 +139,8 @@ def validate(
 
     if runs < 1 or rank_by not in METRICS:
         raise ValueError(f"need runs >= 1 and rank_by among {METRICS}, got {runs}, {rank_by!r}")
+    if policy.engine != "blocktune":
+        raise ValueError(f"the live side is blocktune's engine; the policy models {policy.engine}")
     calibration.require(block_sizes)
     clock = calibration.engine.clock if calibration.engine is not None else "wall"
     check_clock(clock, model)
@@ -151,25 +155,13 @@ def validate(
     checks = []
     for block_size in served.candidates:
         progress(f"B={block_size}: simulating")
-        run = simulate(kept, server, block_size)
-        predicted = ServedMetrics.of(
-            kept, run.first_token_s, run.finish_s, run.generated, run.peak_blocks, run.preemptions
-        )
+        predicted = ServedMetrics.of(kept, simulate(kept, server, block_size))
         measured = []
         for i in range(runs):
             progress(f"B={block_size}: live run {i + 1} of {runs}")
             engine = _engine(model, server, block_size, kept)
             live = serve_live(engine, kept, step_s=step_s, timer=STEP_CLOCKS[clock], seed=seed)
-            measured.append(
-                ServedMetrics.of(
-                    kept,
-                    live.first_token_s,
-                    live.finish_s,
-                    live.generated,
-                    live.peak_blocks,
-                    live.preemptions,
-                )
-            )
+            measured.append(ServedMetrics.of(kept, live))
         checks.append(BlockSizeCheck(block_size, predicted, tuple(measured)))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
     setup = {
@@ -182,20 +174,21 @@ def validate(
 
 
 def _engine(model: LlamaModel, server: StepCostModel, block_size: int, workload: Workload):
-    """A fresh engine with the simulator's pool at `block_size` and room for every request
+    """A fresh engine with the simulator's pool at `block_size` and the policy's batch limits
     (Triton attention on CUDA, torch elsewhere, as `blocktune calibrate` measures)."""
     from blocktune.runtime.engine import Engine, EngineConfig
 
-    blocks = server.num_blocks(block_size)
+    policy = server.policy
     return Engine(
         model,
         EngineConfig(
             block_size=block_size,
-            num_blocks=blocks,
-            max_num_seqs=min(blocks, len(workload)),
+            num_blocks=server.num_blocks(block_size),
+            max_num_seqs=policy.max_num_seqs,
+            max_num_batched_tokens=policy.max_num_batched_tokens,
             max_model_len=int(workload.total_tokens.max()),
             attention_backend="triton" if model.device.type == "cuda" else "torch",
-            enable_prefix_caching=True,
+            enable_prefix_caching=policy.max_num_batched_tokens is None,
             candidate_block_sizes=(block_size,),
         ),
     )
