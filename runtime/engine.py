@@ -367,7 +367,7 @@ class Engine:
         for request in candidates:
             if request.row is None:  # preempted while making room for an older request
                 continue
-            while not self.blocks.append_tokens(request.id, request.output[-1:]):
+            while not self.blocks.append_token(request.id, request.output[-1]):
                 victim = max(self._running, key=lambda r: r.id)
                 self._preempt(victim)
                 if victim is request:

@@ -190,3 +190,42 @@ def test_swap_pause_is_the_plans_copy_plus_the_engines_pause():
     assert server.swap_pause_s(moved) == pytest.approx(expected)
     vllm = with_budget(4096, engine="vllm", candidates=[16, 32, 64], restart="45s")
     assert StepCostModel(vllm, CALIBRATION).swap_pause_s() == pytest.approx(45.0)
+
+
+def requests_at(arrivals, prompts, outputs) -> Workload:
+    return Workload.from_frame(
+        pd.DataFrame({"arrival_s": arrivals, "prompt_tokens": prompts, "output_tokens": outputs})
+    )
+
+
+def test_the_batch_holds_at_most_max_num_seqs_requests():
+    """Ten equal requests at once with room for four: they run in waves of four."""
+    policy = with_budget(8192, batch={"max_num_seqs": 4})
+    server = StepCostModel(policy, CALIBRATION, fixed_step_s=0.01)
+    run = simulate(requests_at([0.0] * 10, [20] * 10, [5] * 10), server, 16)
+    waves = np.unique(np.round(run.first_token_s, 9))
+    assert len(waves) == 3
+    assert np.bincount(np.searchsorted(waves, np.round(run.first_token_s, 9))).tolist() == [4, 4, 2]
+    assert run.first_token_s[4] == pytest.approx(run.finish_s[0] + 0.01)
+
+
+def test_chunked_prefill_spreads_a_long_prompt_over_steps_beside_the_decodes():
+    """A 1000-token prompt with a budget of 256 tokens per step takes four steps to prefill
+    while a running request keeps decoding (255 prefill tokens beside it); without a budget it
+    makes its first token in its admission step."""
+    workload = requests_at([0.0, 0.001], [10, 1000], [50, 5])
+    whole = StepCostModel(with_budget(8192), CALIBRATION, fixed_step_s=0.01)
+    chunked = StepCostModel(
+        with_budget(8192, batch={"max_num_batched_tokens": 256}), CALIBRATION, fixed_step_s=0.01
+    )
+    at_once, spread = simulate(workload, whole, 16), simulate(workload, chunked, 16)
+    assert at_once.first_token_s[1] == pytest.approx(0.02)  # admitted in step 2
+    assert spread.first_token_s[1] == pytest.approx(0.02 + 3 * 0.01)  # 4 chunks of <= 255
+    assert spread.finish_s[0] == pytest.approx(at_once.finish_s[0])  # decodes never wait
+    check_conservation(workload, spread)
+    # Prefill time is charged per chunk: the same prompt tokens, in steps that decode anyway.
+    timed = StepCostModel(with_budget(8192, batch={"max_num_batched_tokens": 256}), CALIBRATION)
+    untimed = StepCostModel(with_budget(8192), CALIBRATION)
+    chunked_run, whole_run = simulate(workload, timed, 16), simulate(workload, untimed, 16)
+    assert chunked_run.steps == whole_run.steps
+    assert chunked_run.busy_s == pytest.approx(whole_run.busy_s, rel=1e-3)

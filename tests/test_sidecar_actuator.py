@@ -17,7 +17,11 @@ from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.actuators import HttpActuator
 from blocktune.tuner.sidecar.sidecar import Sidecar, SidecarConfigError
 
-POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
+# The default policy with a KV budget small enough to fill (384 token slots): there the block
+# size matters, and a promotion burst's short requests serve best at B=8.
+POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml").model_copy(
+    update={"kv_budget": 48 * 2**20}
+)
 TOKEN = "worker-admin-token"
 
 
@@ -150,7 +154,11 @@ def test_in_process_engine_swaps_when_the_window_shifts():
 
     engine = Engine(load_model("tiny-random"), EngineConfig(block_size=16, num_blocks=256))
     policy = POLICY.model_copy(
-        update={"mode": "enforce", "window": WindowSettings(capacity=200, min_samples=40)}
+        update={
+            "mode": "enforce",
+            "window": WindowSettings(capacity=200, min_samples=40),
+            "kv_budget": 16 * 2**20,  # 128 slots for requests of 10-18 tokens
+        }
     )
     sidecar = Sidecar(policy, engine=engine)
     assert sidecar.enforcing and sidecar.current_block_size == 16

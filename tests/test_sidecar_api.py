@@ -13,7 +13,11 @@ from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import MAX_OBSERVATIONS
 
-POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
+# The default policy with a KV budget small enough to fill (384 token slots): there the block
+# size matters, and a promotion burst's short requests serve best at B=8.
+POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml").model_copy(
+    update={"kv_budget": 48 * 2**20}
+)
 TOKEN = "sidecar-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

@@ -11,7 +11,11 @@ from blocktune.tuner.core.selector import Selector
 from blocktune.tuner.core.window import LengthWindow
 from blocktune.tuner.sidecar.scheduler import JOB_ID, DecisionScheduler
 
-POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
+# The default policy with a KV budget small enough to fill (384 token slots): there the block
+# size matters, and a promotion burst's short requests serve best at B=8.
+POLICY = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml").model_copy(
+    update={"kv_budget": 48 * 2**20}
+)
 FAST = POLICY.model_copy(update={"interval": POLICY.interval / 3000})  # 0.1 s
 
 

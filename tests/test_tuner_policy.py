@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from blocktune.tuner.cli import main
 from blocktune.tuner.core.config_files import ConfigError
-from blocktune.tuner.core.policy import load_policy, parse_duration
+from blocktune.tuner.core.policy import Policy, load_policy, parse_duration
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
 
@@ -181,3 +181,19 @@ def test_bundled_policies_are_found_by_name_from_any_directory(tmp_path, monkeyp
     assert load_policy("default.yaml").deployment.startswith("local-")
     with pytest.raises(ConfigError, match="no bundled policy of that name .*default"):
         load_policy("nope")
+
+
+def test_serving_settings_default_by_engine_and_vllm_refuses_sizes_its_backend_cannot_take():
+    default = load_policy()
+    assert (default.goal, default.headroom, default.min_gain) == ("capacity", 2.0, 0.02)
+    assert (default.slo.ttft_p99_s, default.slo.tpot_p99_s) == (2.0, 0.15)
+    assert (default.max_num_seqs, default.max_num_batched_tokens) == (64, None)
+    assert default.switch_cost_s == pytest.approx(0.01)
+    data = {**default.model_dump(), "engine": "vllm"}
+    with pytest.raises(ValidationError, match=r"candidates \[8\] are not multiples of 16"):
+        Policy.model_validate(data)
+    vllm = Policy.model_validate({**data, "candidates": [16, 32, 64]})
+    assert (vllm.max_num_seqs, vllm.max_num_batched_tokens) == (256, 2048)
+    assert vllm.switch_cost_s == 60.0
+    batch = Policy.model_validate({**data, "candidates": [16], "batch": {"max_num_seqs": 8}})
+    assert (batch.max_num_seqs, batch.max_num_batched_tokens) == (8, 2048)

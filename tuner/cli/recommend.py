@@ -20,6 +20,7 @@ from blocktune.tuner.cli._common import (
     positive_int,
 )
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE, SYNTHETIC_TRACE
+from blocktune.tuner.core.text_table import text_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -34,32 +35,61 @@ def _kib(value: float) -> str:
     return f"{value / 1024:.1f}"
 
 
+_FORECAST_COLUMNS = (
+    ("capacity", "x load", lambda f: f"{f.capacity:.3g}"),
+    ("tok/s", "", lambda f: f"{f.observed.tokens_per_s:.1f}"),
+    ("TTFT p50", "s", lambda f: f"{f.observed.ttft_p50_s:.3f}"),
+    ("TTFT p99", "s", lambda f: f"{f.observed.ttft_p99_s:.3f}"),
+    ("TPOT p50", "ms", lambda f: f"{f.observed.tpot_p50_s * 1e3:.1f}"),
+    ("TPOT p99", "ms", lambda f: f"{f.observed.tpot_p99_s * 1e3:.1f}"),
+    ("preempt", "", lambda f: str(f.observed.preemptions)),
+    ("TTFT p99", "@headroom", lambda f: f"{f.headroom.ttft_p99_s:.3f}"),
+)
+
+_COST_COLUMNS = (
+    ("padding", "%", lambda c: f"{c.padding_ratio:.1%}"),
+    ("pad/req", "KiB", lambda c: _kib(c.padding_bytes_per_request)),
+    ("slots", "tokens", lambda c: f"{c.capacity_tokens:.0f}"),
+    ("running", "requests", lambda c: f"{c.concurrent_requests:.1f}"),
+    ("weights", "us/tok", lambda c: f"{c.weights_s_per_token * 1e6:.3f}"),
+    ("k.table", "us/tok", lambda c: f"{c.kernel_translation_s_per_token * 1e6:.3f}"),
+    ("k.read", "us/tok", lambda c: f"{c.kernel_bandwidth_s_per_token * 1e6:.3f}"),
+    ("host", "us/tok", lambda c: f"{c.host_s_per_token * 1e6:.3f}"),
+    ("prefix", "us/tok", lambda c: f"{c.prefix_loss_s_per_token * 1e6:.3f}"),
+    ("J total", "us/tok", lambda c: f"{c.objective_s_per_token * 1e6:.3f}"),
+)
+
+
+def _rows(columns: tuple, items: list, chosen: int) -> list[list[str]]:
+    rows = [["B", *(t for t, _, _ in columns)], ["tokens", *(u for _, u, _ in columns)]]
+    for item in items:
+        mark = "*" if item.block_size == chosen else " "
+        rows.append([f"{mark} {item.block_size}", *(cell(item) for _, _, cell in columns)])
+    return rows
+
+
 def format_decision_table(decision: Decision, snapshot: WindowSnapshot) -> str:
-    """The candidates as a fixed-width table (times in microseconds per generated token)."""
-    names = ("padding", "pad/req", "capacity", "running", "weights", "k.table", "k.read")
-    names += ("host", "prefix", "total")
-    units = ("%", "KiB", "tokens", "requests") + ("us/tok",) * 6
-    widths = (8, 8, 10, 9, 9, 8, 8, 7, 7, 9)
-    header = f"{'B':>6}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
-    units = f"{'tokens':>6}" + "".join(f"{u:>{w}}" for u, w in zip(units, widths, strict=True))
-    lines = [header, units]
-    for c in decision.candidates:
-        mark = "*" if c.block_size == decision.block_size else " "
+    """The predicted service of every candidate, its cost terms, and the decision in words."""
+    lines = []
+    if decision.forecasts:
         lines.append(
-            f"{mark} {c.block_size:>4}{c.padding_ratio:>8.1%}"
-            f"{_kib(c.padding_bytes_per_request):>8}{c.capacity_tokens:>10.0f}"
-            f"{c.concurrent_requests:>9.1f}{c.weights_s_per_token * 1e6:>9.3f}"
-            f"{c.kernel_translation_s_per_token * 1e6:>8.3f}"
-            f"{c.kernel_bandwidth_s_per_token * 1e6:>8.3f}{c.host_s_per_token * 1e6:>7.3f}"
-            f"{c.prefix_loss_s_per_token * 1e6:>7.3f}{c.objective_s_per_token * 1e6:>9.3f}"
+            "predicted service on the window at the observed load (capacity: the load "
+            "multiple served within the SLO):"
         )
+        lines += text_table(_rows(_FORECAST_COLUMNS, decision.forecasts, decision.block_size))
+    lines.append("cost terms (J: time per generated token with the KV budget full):")
+    lines += text_table(_rows(_COST_COLUMNS, decision.candidates, decision.block_size))
     total = snapshot.total
     lines.insert(
         0,
         f"window: {snapshot.count} requests, prompt+output tokens median {total.median:.0f}, "
         f"p90 {total.p90:.0f}, p99 {total.p99:.0f}; {snapshot.shared_prefixes} reuse a prefix",
     )
-    lines.append(f"choice: B={decision.block_size}  (* above; total = the objective)")
+    lines.append(
+        f"recommended: B={decision.recommended_block_size} ("
+        + ("the choice matters" if decision.material else "the block size does not matter here")
+        + f"; * marks the best candidate on {decision.goal})"
+    )
     if decision.principled_block_tokens is not None:
         lines.append(
             f"prior: B* = sqrt(2 c_block l / c_pad) = {decision.principled_block_tokens:.1f} "
@@ -116,7 +146,7 @@ def run_recommend(args: argparse.Namespace) -> int:
     try:
         policy, calibration = load_policy_and_calibration(args.policy)
         frame, label = _load_frame(args)
-        decision, snapshot = recommend(
+        decision, snapshot, left_out = recommend(
             frame, policy, calibration, current_block_size=args.current, last=args.last
         )
     except (ConfigError, TraceError, CalibrationError, RecommendError) as exc:
@@ -130,6 +160,7 @@ def run_recommend(args: argparse.Namespace) -> int:
                 trace=label,
                 policy={"file": str(args.policy), "deployment": policy.deployment},
                 calibration=calibration.describe(),
+                left_out_longer_than_the_pool=left_out,
             )
         )
         return 0
@@ -141,6 +172,8 @@ def run_recommend(args: argparse.Namespace) -> int:
         f"{policy.model.dtype}, KV budget {budget_gib:.1f} GiB"
     )
     print(f"calibration: {calibration.describe()}")
+    if left_out:
+        print(f"left out {left_out} requests longer than the KV pool: they can never run")
     print(format_decision_table(decision, snapshot))
     return 0
 

@@ -44,7 +44,7 @@ __all__ = [
 FORECAST_REQUESTS = 128
 """The window's latest requests a forecast replays (a window holds up to its capacity)."""
 
-CAPACITY_RANGE = (1 / 64, 64.0)
+CAPACITY_RANGE = (1 / 4096, 64.0)
 """The multiples of the observed arrival rate a capacity search spans (its result is clamped)."""
 
 CAPACITY_TOLERANCE = 0.01
@@ -131,13 +131,14 @@ class Forecaster:
 
     def workload_of(self, snapshot: WindowSnapshot) -> Workload | None:
         """The window's latest `FORECAST_REQUESTS` requests as a workload, arriving at their
-        recorded times, or None when fewer than two have a time span."""
+        recorded times (less those no pool could hold), or None without two of them over a
+        time span."""
         order = np.argsort(snapshot.timestamps, kind="stable")[-FORECAST_REQUESTS:]
         stamps = snapshot.timestamps[order]
         if len(stamps) < 2 or not stamps[-1] > stamps[0]:
             return None
         fits = min(self.server.capacity_slots(b) for b in self.policy.candidates)
-        return Workload(
+        workload = Workload(
             arrival_s=stamps - stamps[0],
             prompt_tokens=np.maximum(snapshot.prompt_tokens[order], 1),
             output_tokens=np.maximum(snapshot.output_tokens[order], 1),
@@ -145,6 +146,7 @@ class Forecaster:
             shareable_tokens=np.zeros(len(order), dtype=np.int64),
             chains={},
         ).without_longer_than(fits)
+        return workload if len(workload) >= 2 else None
 
     def metrics(self, workload: Workload, block_size: int, load: float) -> ServingMetrics:
         """Serve `workload` at `load` times its arrival rate at a fixed `block_size`."""
@@ -165,7 +167,8 @@ class Forecaster:
         out = []
         for b in block_sizes:
             capacity = reference
-            if b != current and self._meets(workload, b, reference * (1 + gain)):
+            above = reference * (1 + gain)
+            if b != current and above <= CAPACITY_RANGE[1] and self._meets(workload, b, above):
                 capacity = self._bisect(workload, b, reference * (1 + gain), CAPACITY_RANGE[1])
             elif b != current and not self._meets(workload, b, reference * (1 - gain)):
                 low = max(CAPACITY_RANGE[0], reference / 8)
@@ -184,7 +187,10 @@ class Forecaster:
             low, high = headroom, headroom * 4
             while high < high_limit and self._meets(workload, b, high):
                 low, high = high, high * 4
-            high = min(high, high_limit)
+            if high >= high_limit:
+                if self._meets(workload, b, high_limit):
+                    return high_limit  # served within the SLO at the top of the range
+                high = high_limit
         elif known[0].meets(slo):
             low, high = 1.0, headroom
         else:

@@ -8,6 +8,7 @@ from blocktune.tuner.core.calibration import Calibration
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
 from blocktune.tuner.core.policy import Policy
 from blocktune.tuner.core.selector import Decision, Selector
+from blocktune.tuner.core.step_cost import StepCostModel
 from blocktune.tuner.core.window import LengthWindow, WindowSnapshot
 
 __all__ = ["RecommendError", "recommend"]
@@ -24,12 +25,19 @@ def recommend(
     *,
     current_block_size: int = DEFAULT_BLOCK_SIZE,
     last: int | None = None,
-) -> tuple[Decision, WindowSnapshot]:
+) -> tuple[Decision, WindowSnapshot, int]:
     """The selector's decision for the requests of `frame` (arrival_s, prompt_tokens,
-    output_tokens, optional prefix_group), all of them or the `last` ones."""
+    output_tokens, optional prefix_group), all of them or the `last` ones, with the
+    number of requests left out because no candidate's KV pool could ever hold them."""
     rows = frame if last is None else frame.tail(last)
     if rows.empty:
         raise RecommendError("the trace selection holds no requests")
+    slots = StepCostModel(policy, calibration).capacity_slots
+    fits = min(slots(b) for b in policy.candidates)
+    keep = (rows["prompt_tokens"] + rows["output_tokens"]) <= fits
+    rows = rows[keep]
+    if rows.empty:
+        raise RecommendError(f"every request is longer than the KV pool ({fits} token slots)")
     window = LengthWindow(capacity=len(rows))
     groups = None
     if "prefix_group" in rows:
@@ -42,4 +50,4 @@ def recommend(
     )
     snapshot = window.snapshot()
     decision = Selector(policy, calibration).decide(snapshot, current_block_size, now=0.0)
-    return decision, snapshot
+    return decision, snapshot, int((~keep).sum())

@@ -15,6 +15,7 @@ from pathlib import Path
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
 from blocktune.tuner.core.forecast import goal_higher_is_better
 from blocktune.tuner.core.jsonable import to_jsonable
+from blocktune.tuner.core.text_table import text_table
 from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayReport, static_name
 
 __all__ = [
@@ -163,11 +164,7 @@ def format_replay_table(report: ReplayReport) -> str:
     columns = _columns(report.policy["goal"])
     rows = [[title for title, _, _ in columns], [unit for _, unit, _ in columns]]
     rows += [[value(result) for _, _, value in columns] for result in report.results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    lines = []
-    for first, *cells in rows:
-        right = "".join(f"  {c:>{w}}" for c, w in zip(cells, widths[1:], strict=True))
-        lines.append(f"{first:<{widths[0]}}{right}")
+    lines = text_table(rows)
     ratios = comparisons(report)
     lines.append(goal_statement(report))
     line = (

@@ -70,8 +70,8 @@ def demo_policy(worker_url: str, interval_s: float) -> dict:
             "interval": f"{interval_s:g}s",
             "min_dwell": f"{2 * interval_s:g}s",
             "window": {"capacity": 60, "min_samples": 20},
-            # Measured: the worker's aligned allocator makes grows copy (almost) nothing.
-            "grow_copy_fraction": 0.0,
+            # A KV budget the promotion burst fills, so that there the block size matters.
+            "kv_budget": "64MiB",
             "mode": "enforce",
             "auth": {"token_env": TOKEN_ENV},
             "actuator": {"kind": "http", "url": worker_url, "token_env": TOKEN_ENV},
@@ -247,7 +247,7 @@ def run_closed_loop(
             _wait_healthy(worker_url, worker, folder / "worker.log", 120)
             _wait_healthy(sidecar_url, sidecar, folder / "sidecar.log", 60)
             out(f"worker {worker_url} (tiny-random model), sidecar {sidecar_url}")
-            start = time.monotonic()
+            start, grown = time.monotonic(), False
             traffic = _drive(worker_url, workload, report)
             while traffic.is_alive():
                 traffic.join(timeout=interval_s)
@@ -265,6 +265,9 @@ def run_closed_loop(
                         f"sidecar restarted: window held {before} requests before, "
                         f"{report.restart['after']} after restoring its state file"
                     )
+                if not grown and elapsed >= duration_s * 5 / 6:
+                    grown = True
+                    out(_operator_grow(worker_url, token))
                 line, point, new = _live_line(
                     elapsed, workload, worker_url, sidecar_url, len(report.swaps)
                 )
@@ -301,6 +304,23 @@ def _verify(workload: pd.DataFrame, report: ClosedLoopReport, seed: int, out) ->
             report.verified += 1
             report.identical += report.completions[index] == output.token_ids
     out(f"{report.identical}/{report.requests} completions identical to the run without swaps")
+
+
+def _operator_grow(worker_url: str, token: str) -> str:
+    """Swap the worker back to the default size by hand, with requests in flight: the
+    sidecar's forecast keeps B=8 for this traffic (8 serves it at least as well), so the
+    demo grows the blocks itself to show a live grow keeps every token too."""
+    response = httpx.post(
+        f"{worker_url}/admin/block-size",
+        json={"block_size": DEFAULT_BLOCK_SIZE},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=120,
+    )
+    result = response.json()
+    return (
+        f"operator: POST /admin/block-size {DEFAULT_BLOCK_SIZE} (a live grow, requests in "
+        f"flight): {result.get('status')}; the sidecar may shrink again where 8 serves better"
+    )
 
 
 def _window_count(sidecar_url: str) -> int:
