@@ -47,7 +47,7 @@ def dask_client(scheduler: str | None = None, workers: int | None = None) -> Ite
         n_workers=workers,
         threads_per_worker=1,
         processes=True,
-        dashboard_address=None,
+        dashboard_address=":0",  # a free port: Dask's 8787 is also the sidecar's default
         silence_logs=logging.CRITICAL,
     )
     with cluster, Client(cluster, set_as_default=False) as client:
