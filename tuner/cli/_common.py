@@ -30,6 +30,7 @@ __all__ = [
     "add_model_arguments",
     "add_measurement_arguments",
     "block_size_arg",
+    "engine_config_from_args",
     "load_from_args",
     "load_model_from_args",
     "load_shaped_model_from_args",
@@ -364,6 +365,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
         metavar="N",
         help="tokens one step computes, decodes and prefill chunks together (chunked "
         "prefill; at least --max-num-seqs); default: every prompt prefilled whole",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace, candidates, **pool):
+    """The `EngineConfig` of the engine flags; `candidates` are the block sizes a swap may
+    choose (the initial one is added) and `pool` sizes the KV pool (`kv_bytes` or
+    `num_blocks`)."""
+    from blocktune.runtime.engine import EngineConfig
+
+    return EngineConfig(
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        attention_backend=args.backend,
+        candidate_block_sizes=tuple(sorted({*candidates, args.block_size})),
+        **pool,
     )
 
 

@@ -238,6 +238,28 @@ async def _unless_gone(work, request: Request) -> None:
     task.result()
 
 
+async def _swap(loop: EngineLoop, size: int) -> dict:
+    """Swap the engine's block size at its next step boundary: 422 for a size that is not a
+    candidate, else the swap's result (done, rejected or rolled back)."""
+    candidates = loop.engine.config.candidate_block_sizes
+    if size not in candidates:
+        raise OpenAIError(
+            422,
+            f"block_size {size} is not one of this worker's candidate block sizes "
+            f"{list(candidates)}",
+            param="block_size",
+        )
+    ticket = loop.request_block_size(size)
+    try:
+        result: SwapResult = await asyncio.to_thread(ticket.result, 60.0)
+    except TimeoutError:
+        raise HTTPException(status_code=504, detail="no step boundary within 60 s") from None
+    except Exception as error:  # the commit itself failed; the engine loop recovered
+        raise HTTPException(status_code=500, detail=f"swap failed: {error}") from None
+    log_event(log, "block_size_swap", **result.to_dict())
+    return result.to_dict()
+
+
 def create_worker_app(
     loop: EngineLoop,
     *,
@@ -288,23 +310,7 @@ def create_worker_app(
 
     @app.post("/admin/block-size", dependencies=[Depends(auth)])
     async def block_size(body: BlockSizeRequest) -> dict:
-        candidates = loop.engine.config.candidate_block_sizes
-        if body.block_size not in candidates:
-            raise OpenAIError(
-                422,
-                f"block_size {body.block_size} is not one of this worker's candidate block "
-                f"sizes {list(candidates)}",
-                param="block_size",
-            )
-        ticket = loop.request_block_size(body.block_size)
-        try:
-            result: SwapResult = await asyncio.to_thread(ticket.result, 60.0)
-        except TimeoutError:
-            raise HTTPException(status_code=504, detail="no step boundary within 60 s") from None
-        except Exception as error:  # the commit itself failed; the engine loop recovered
-            raise HTTPException(status_code=500, detail=f"swap failed: {error}") from None
-        log_event(log, "block_size_swap", **result.to_dict())
-        return result.to_dict()
+        return await _swap(loop, body.block_size)
 
     # Plain functions, so FastAPI runs them on its thread pool: reading the engine's state
     # waits for the step in progress, which must not stall the event loop.
