@@ -6,7 +6,13 @@ through the block table, then softmax attention), and the same tokens are
 attended with dense attention over contiguous K/V. The ratio is the cost of
 paging on this machine, measured in one run (a benchmark, not a test).
 
-    python bench/decode.py [--batch 16] [--context 1024] [--device cpu]
+The two take turns: each round times a burst of dense calls, then a burst of
+paged calls, and keeps each burst's fastest call (its data warm in the cache,
+as in the steady state); the figure is the median over the rounds. Load from
+elsewhere on the machine then falls on both alike instead of on whichever ran
+while it lasted.
+
+    python bench/decode.py [--batch 16] [--context 1024] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -28,21 +34,27 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return out[:, :, 0]
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+def paired_times(fns, rounds: int, burst: int) -> list[float]:
+    """Seconds per call of each of `fns`: the median over `rounds` of its fastest call in
+    a burst of `burst` calls, the functions taking turns round by round."""
+    fastest: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, samples in zip(fns, fastest, strict=True):
+            times = []
+            for _ in range(burst):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            samples.append(min(times))
+    return [statistics.median(samples) for samples in fastest]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--burst", type=int, default=5, help="calls per round and function")
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
@@ -53,12 +65,12 @@ def main() -> None:
     # Dense attention gets K/V already laid out as it wants them: [S, KVH, T, D].
     k_heads = k_dense.transpose(1, 2).contiguous()
     v_heads = v_dense.transpose(1, 2).contiguous()
-    dense_s = median_time(lambda: dense_attention(q, k_heads, v_heads), args.repeats)
     print(
         f"batch {args.batch} x context {args.context}, {HEADS} heads / {KV_HEADS} KV heads, "
-        f"head_dim {HEAD_DIM}, fp32, torch backend; dense attention {dense_s * 1e3:.2f} ms"
+        f"head_dim {HEAD_DIM}, fp32, torch backend, {torch.get_num_threads()} threads"
     )
-    print(f"{'block':>5}  {'paged ms':>9}  {'paged/dense':>11}  {'max |diff|':>10}")
+    columns = ("dense ms", "paged ms", "paged/dense", "max |diff|")
+    print(f"{'block':>5}  " + "  ".join(f"{c:>11}" for c in columns))
     lens = torch.full((args.batch,), args.context, dtype=torch.int32)
     for block_size in args.block_sizes:
         per_seq = args.context // block_size
@@ -75,9 +87,15 @@ def main() -> None:
         def paged(table=table, k_pool=k_pool, v_pool=v_pool, block_size=block_size):
             return paged_attention(q, k_pool, v_pool, table, lens, block_size=block_size)
 
-        paged_s = median_time(paged, args.repeats)
-        diff = (paged() - dense_attention(q, k_heads, v_heads)).abs().max().item()
-        print(f"{block_size:>5}  {paged_s * 1e3:>9.2f}  {paged_s / dense_s:>11.2f}  {diff:>10.1e}")
+        def dense():
+            return dense_attention(q, k_heads, v_heads)
+
+        dense_s, paged_s = paired_times([dense, paged], args.rounds, args.burst)
+        diff = (paged() - dense()).abs().max().item()
+        print(
+            f"{block_size:>5}  {dense_s * 1e3:>11.2f}  {paged_s * 1e3:>11.2f}  "
+            f"{paged_s / dense_s:>11.2f}  {diff:>11.1e}"
+        )
 
 
 if __name__ == "__main__":

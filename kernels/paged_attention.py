@@ -49,6 +49,10 @@ DEFAULT_PARTITION = 512
 MIN_DOT = 16  # tl.dot needs every matrix dimension >= 16 (tiles, head_dim, padded group)
 MAX_TILE = 256
 MAX_HEAD_DIM = 256
+# fp32 K and V the torch backend gathers per chunk of sequences, per CPU thread: small
+# enough to be read back from the CPU caches, large enough that the chunks' own overhead
+# stays small (the fastest on a 2-core machine at 1 and 2 threads).
+GATHER_BYTES_PER_THREAD = 4 << 20
 
 
 class KernelInputError(ValueError):
@@ -137,6 +141,21 @@ def _check_attention_values(
     block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_slots: int
 ) -> None:
     capacity = block_table.shape[1] * block_size
+    num_blocks = num_slots // block_size
+    shortest, longest = (int(n) for n in torch.aminmax(context_lens))
+    if shortest >= 1 and longest <= capacity:
+        used = torch.arange(block_table.shape[1]) * block_size < context_lens[:, None]
+        lowest, highest = (int(n) for n in torch.aminmax(block_table.where(used, 0)))
+        if lowest >= 0 and highest < num_blocks:
+            return
+    _raise_bad_values(block_table, context_lens, block_size, num_blocks)
+
+
+def _raise_bad_values(
+    block_table: torch.Tensor, context_lens: torch.Tensor, block_size: int, num_blocks: int
+) -> None:
+    """Raise `KernelInputError` naming the first bad context length or used block id."""
+    capacity = block_table.shape[1] * block_size
     short = torch.nonzero(context_lens < 1)
     if len(short):
         seq = int(short[0, 0])
@@ -149,14 +168,13 @@ def _check_attention_values(
             f"{block_table.shape[1]} blocks of {block_size} tokens"
         )
     used = torch.arange(block_table.shape[1]) * block_size < context_lens[:, None]
-    num_blocks = num_slots // block_size
-    bad = torch.nonzero(used & ((block_table < 0) | (block_table >= num_blocks)))
-    if len(bad):
-        seq, col = (int(i) for i in bad[0])
-        raise KernelInputError(
-            f"block_table[{seq}, {col}] = {int(block_table[seq, col])} is outside the pool's "
-            f"{num_blocks} blocks of {block_size} slots"
-        )
+    seq, col = (
+        int(i) for i in torch.nonzero(used & ((block_table < 0) | (block_table >= num_blocks)))[0]
+    )
+    raise KernelInputError(
+        f"block_table[{seq}, {col}] = {int(block_table[seq, col])} is outside the pool's "
+        f"{num_blocks} blocks of {block_size} slots"
+    )
 
 
 def paged_attention_torch(
@@ -171,9 +189,13 @@ def paged_attention_torch(
 ) -> torch.Tensor:
     """Reference decode attention: gather K/V through the block table, softmax in fp32.
 
-    Vectorised over the batch: every sequence is padded to the longest context and
-    the padding is masked out. Returns `[num_seqs, num_heads, head_dim]` in
-    `query.dtype`.
+    Vectorised over the batch: every sequence's blocks are gathered whole from the
+    pool's block view, padded to the longest context, and torch's fused attention
+    runs over them with the padding masked out; each KV head's query heads attend as
+    one group of queries, so K/V are read once per KV head. The batch goes in chunks
+    of sequences whose gathered K/V (`GATHER_BYTES_PER_THREAD` per CPU thread) the
+    CPU caches still hold when attention reads them back. Returns
+    `[num_seqs, num_heads, head_dim]` in `query.dtype`.
     """
     _check_attention_inputs(query, key_cache, value_cache, block_table, context_lens, block_size)
     num_seqs, num_heads, head_dim = query.shape
@@ -181,18 +203,61 @@ def paged_attention_torch(
     if num_seqs == 0:
         return torch.empty_like(query)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    max_len = int(context_lens.max())
-    positions = torch.arange(max_len, device=query.device)
-    valid = positions < context_lens[:, None].long()
-    blocks = block_table[:, positions // block_size].long()
-    slots = torch.where(valid, blocks * block_size + positions % block_size, 0)
-    keys = key_cache[slots].float()  # [num_seqs, max_len, num_kv_heads, head_dim]
-    values = value_cache[slots].float()
-    grouped = query.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("skgd,stkd->skgt", grouped, keys) * scale
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    out = torch.einsum("skgt,stkd->skgd", torch.softmax(scores, dim=-1), values)
+    shortest, max_len = (int(n) for n in torch.aminmax(context_lens))
+    num_blocks = -(-max_len // block_size)
+    positions = torch.arange(num_blocks * block_size, device=query.device)
+    valid = positions[:max_len] < context_lens[:, None]
+    # Table entries past a sequence's context may hold anything (-1, say): read block 0.
+    used = positions[::block_size] < context_lens[:, None]
+    blocks = torch.where(used, block_table[:, :num_blocks], 0)
+    grouped = query.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.empty_like(grouped)
+    chunk_bytes = GATHER_BYTES_PER_THREAD * torch.get_num_threads()
+    step = max(1, chunk_bytes // (2 * 4 * num_blocks * block_size * key_cache[0].numel()))
+    for first in range(0, num_seqs, step):
+        rows = slice(first, first + step)
+        mask = None if shortest == max_len else valid[rows]  # no padding, nothing to mask
+        out[rows] = _attend_blocks(
+            grouped[rows], key_cache, value_cache, blocks[rows], mask, max_len, block_size, scale
+        )
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def _attend_blocks(
+    grouped: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    blocks: torch.Tensor,
+    valid: torch.Tensor | None,
+    max_len: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Fused attention of `grouped [rows, num_kv_heads, group, head_dim]` (fp32) over the
+    first `max_len` tokens of the K/V of `blocks [rows, n]`, those where `valid [rows,
+    max_len]` (all of them when None).
+
+    The blocks are gathered whole from the pools' block views into one buffer for K and V
+    (in fp32 once converted), freed on return: with one such buffer alive at a time, glibc
+    keeps reusing the same heap memory instead of handing it back to the system and
+    faulting it in again on the next call (which two buffers, or one per chunk alive at
+    once, make it do).
+    """
+    rows, count = blocks.shape
+    num_slots = key_cache.shape[0] // block_size * block_size
+    row = block_size * key_cache[0].numel()
+    gathered = key_cache.new_empty((2, rows * count, row))
+    for cache, part in zip((key_cache, value_cache), gathered, strict=True):
+        torch.index_select(cache[:num_slots].reshape(-1, row), 0, blocks.flatten(), out=part)
+    shape = (2, rows, count * block_size, *key_cache.shape[1:])
+    keys, values = gathered.float().view(shape)[:, :, :max_len].transpose(2, 3)
+    return torch.nn.functional.scaled_dot_product_attention(
+        grouped,
+        keys,
+        values,
+        attn_mask=None if valid is None else valid[:, None, None, :],
+        scale=scale,
+    )
 
 
 def default_tile_size(head_dim: int) -> int:

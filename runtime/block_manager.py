@@ -4,20 +4,28 @@ Plain Python, no torch: free lists, refcounts, per-sequence block lists and the
 prefix cache live here; the device only ever sees the block table built from
 them.
 
-Allocation policy (DESIGN.md key idea 1): a sequence's next block is the block
-right after its last one when that block is free (so consecutive blocks tend to
-form aligned buddy runs that a later grow of the block size keeps without a
-copy), otherwise the most recently freed block. With `align=G > 1` (the engine
-passes the largest candidate block size over the current one) that fallback
-prefers the most recently freed block whose id is congruent to the sequence's
-logical block index modulo G, so runs start aligned and stay aligned after a
-jump. A freed sequence returns its blocks last-to-first, so the next sequence to
-allocate starts on its first block and walks the same run again.
+Allocation policy (docs/architecture.md, "The KV pool is a flat slot array"): a
+sequence's next block is the block right after its last one when that block is
+free (so consecutive blocks tend to form aligned buddy runs that a later grow of
+the block size keeps without a copy), otherwise the most recently freed block.
+With `align=G > 1` (the engine passes the largest candidate block size over the
+current one) that fallback prefers the most recently freed block whose id is
+congruent to the sequence's logical block index modulo G, so runs start aligned
+and stay aligned after a jump. A freed sequence returns its blocks last-to-
+first, so the next sequence to allocate starts on its first block and walks the
+same run again.
 
 With prefix caching, a full block is identified by a chained key (a BLAKE2b
-digest of the parent block's key and the block's token ids). Blocks whose refcount drops to zero
-keep their key and stay reusable ("evictable") until a fresh allocation needs
-them; the least recently released one is evicted first.
+digest of the parent block's key and the block's token ids), computed once, when
+the block fills. Blocks whose refcount drops to zero keep their key and stay
+reusable ("evictable") until a fresh allocation needs them; the least recently
+released one is evicted first.
+
+Decode grows every sequence by one token a step: `append_token` does that in a
+few steps when the sequence alone holds a last block with room (each sequence
+keeps that room as a count) or its last block is full and a block is free, and
+takes the general path of `append_tokens` otherwise (a shared tail to copy, no
+free block).
 """
 
 from __future__ import annotations
@@ -67,6 +75,16 @@ CacheKey = bytes
 ROOT_KEY: CacheKey = b""
 """The parent key of a sequence's first block."""
 
+_BLAKE2B = hashlib.blake2b(digest_size=16)  # copied per digest: cheaper than a constructor call
+
+
+def _digest(parent: CacheKey, data: bytes | memoryview | array) -> CacheKey:
+    """The 16-byte BLAKE2b digest of `parent` followed by `data`."""
+    hasher = _BLAKE2B.copy()
+    hasher.update(parent)
+    hasher.update(data)
+    return hasher.digest()
+
 
 def chain_key(parent: CacheKey, tokens: Sequence[int]) -> CacheKey:
     """The key of a full block: BLAKE2b over its parent's key and its token ids (int64).
@@ -74,13 +92,30 @@ def chain_key(parent: CacheKey, tokens: Sequence[int]) -> CacheKey:
     A cryptographic digest, so two different prefixes cannot be made to share a key
     (and with it another request's KV) the way a 64-bit hash could be collided.
     """
-    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+    return _digest(parent, array("q", tokens))
 
 
-@dataclass
+def chain_keys(parent: CacheKey, tokens: Sequence[int], block_size: int) -> list[CacheKey]:
+    """The keys of the full blocks of `tokens`, chained from `parent`: `chain_key` of each
+    block in turn, with the token ids converted once."""
+    data = memoryview(array("q", tokens))
+    keys = []
+    for end in range(block_size, len(data) + 1, block_size):
+        hasher = _BLAKE2B.copy()  # `_digest`, inlined: this loop runs once per prompt block
+        hasher.update(parent)
+        hasher.update(data[end - block_size : end])
+        parent = hasher.digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclass(slots=True)
 class _Sequence:
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    # Tokens the last block takes before it fills, while this sequence alone holds it
+    # (0 when it is full or shared): `append_token` writes there without any other check.
+    room: int = 0
     # With prefix caching: tokens of the last block while it is not full (to key it once full).
     tail_tokens: list[int] = field(default_factory=list)
     # Key of the last full block (parent of the next one).
@@ -108,9 +143,6 @@ class _FreeBlocks:
     def __len__(self) -> int:
         return len(self._all)
 
-    def __contains__(self, block: int) -> bool:
-        return block in self._all
-
     def __iter__(self) -> Iterator[int]:
         return iter(self._all)
 
@@ -128,20 +160,21 @@ class _FreeBlocks:
             for block in blocks:
                 by_residue[block % align][block] = None
 
-    def remove(self, block: int) -> None:
-        del self._all[block]
-        if self._by_residue:
-            del self._by_residue[block % self.align][block]
-
-    def pop(self, residue: int | None = None) -> int:
-        """The most recently freed block, preferring one whose id % align == residue."""
-        if residue is not None and self._by_residue and self._by_residue[residue % self.align]:
-            block = self._by_residue[residue % self.align].popitem()[0]
-            del self._all[block]
-            return block
-        block = self._all.popitem()[0]
-        if self._by_residue:
-            del self._by_residue[block % self.align][block]
+    def take(self, after: int | None, residue: int) -> int | None:
+        """Remove and return block `after + 1` if it is free, else the most recently freed
+        block, preferring one whose id % align == residue; None when none is free."""
+        free, by_residue = self._all, self._by_residue
+        if after is not None and after + 1 in free:
+            block = after + 1
+        elif by_residue and by_residue[residue % self.align]:
+            block = next(reversed(by_residue[residue % self.align]))
+        elif free:
+            block = next(reversed(free))
+        else:
+            return None
+        del free[block]
+        if by_residue:
+            del by_residue[block % self.align][block]
         return block
 
     def check(self) -> None:
@@ -213,11 +246,11 @@ class BlockManager:
             for block in blocks:
                 manager._refcount[block] += 1
             if enable_prefix_caching:
-                full = len(tokens) // block_size * block_size
-                for start in range(0, full, block_size):
-                    seq.tail_tokens = tokens[start : start + block_size]
-                    manager._seal(seq, blocks[start // block_size])
-                seq.tail_tokens = tokens[full:]
+                keys = chain_keys(ROOT_KEY, tokens, block_size)
+                manager._register(seq, 0, keys)
+                seq.tail_tokens = tokens[len(keys) * block_size :]
+        for seq in manager._seqs.values():
+            manager._update_room(seq)
         refcount = manager._refcount
         manager._free.extend(b for b in range(num_blocks - 1, -1, -1) if refcount[b] == 0)
         return manager
@@ -275,34 +308,26 @@ class BlockManager:
         if not tokens:
             raise EmptyTokens(f"allocate({seq_id!r}) needs at least one token")
         size = self._block_size
-        hits: list[int] = []
-        parent = ROOT_KEY
-        if self._prefix_caching:
-            # The block holding the last token is never taken from the cache: the engine
-            # must compute that token to get the next token's logits.
-            for i in range((len(tokens) - 1) // size):
-                key = chain_key(parent, tokens[i * size : (i + 1) * size])
-                block = self._cache.get(key)
-                if block is None:
-                    break
-                hits.append(block)
-                parent = key
+        keys = chain_keys(ROOT_KEY, tokens, size) if self._prefix_caching else []
+        # The block holding the last token is never taken from the cache: the engine
+        # must compute that token to get the next token's logits.
+        hits = self._cached_prefix(keys[: (len(tokens) - 1) // size])
         num_needed = -(-len(tokens) // size) - len(hits)
         reclaimed = sum(1 for b in hits if self._refcount[b] == 0)
         if num_needed > self.num_free_blocks - reclaimed:
             return None
 
-        seq = _Sequence()
+        num_cached = len(hits) * size
+        seq = _Sequence(num_tokens=num_cached, num_cached_tokens=num_cached)
         for block in hits:
             if self._refcount[block] == 0:
                 del self._evictable[block]
             self._refcount[block] += 1
             seq.blocks.append(block)
-        seq.last_full_key = parent
-        seq.num_cached_tokens = len(hits) * size
+        if hits:
+            seq.last_full_key = keys[len(hits) - 1]
         self._seqs[seq_id] = seq
-        seq.num_tokens = seq.num_cached_tokens
-        self._fill(seq, tokens[seq.num_cached_tokens :])
+        self._fill(seq, tokens[num_cached:], keys[len(hits) :])
         return list(seq.blocks)
 
     def append_tokens(self, seq_id: object, token_ids: Sequence[int]) -> bool:
@@ -319,12 +344,26 @@ class BlockManager:
             return False
         if tail_shared:
             src = seq.blocks[-1]
-            dst = self._take_block(after=None, index=len(seq.blocks) - 1)
+            dst = self._take_block(None, len(seq.blocks) - 1)
             self._refcount[src] -= 1
             self._refcount[dst] = 1
             seq.blocks[-1] = dst
             self._pending_copies.append((src, dst))
         self._fill(seq, tokens)
+        return True
+
+    def append_token(self, seq_id: object, token_id: int) -> bool:
+        """Grow a sequence by one token: `append_tokens(seq_id, [token_id])`, in a few steps
+        while the sequence alone holds a last block with room (the decode step's case)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or not (seq.room or self._open_block(seq)):
+            return self.append_tokens(seq_id, (token_id,))
+        seq.room -= 1
+        seq.num_tokens += 1
+        if self._prefix_caching:
+            seq.tail_tokens.append(token_id)
+            if not seq.room:
+                self._seal_tail(seq)
         return True
 
     def fork(self, parent_id: object, child_id: object) -> None:
@@ -334,23 +373,27 @@ class BlockManager:
             raise DuplicateSequence(f"sequence {child_id!r} is already allocated")
         for block in parent.blocks:
             self._refcount[block] += 1
-        self._seqs[child_id] = _Sequence(
+        child = _Sequence(
             blocks=list(parent.blocks),
             num_tokens=parent.num_tokens,
             tail_tokens=list(parent.tail_tokens),
             last_full_key=parent.last_full_key,
             num_cached_tokens=parent.num_cached_tokens,
         )
+        self._seqs[child_id] = child
+        self._update_room(parent)
+        self._update_room(child)
 
     def free(self, seq_id: object) -> None:
         """Release a sequence's blocks, last to first; cached full blocks stay reusable."""
         seq = self._seq(seq_id)
         del self._seqs[seq_id]
+        refcount, block_key = self._refcount, self._block_key
         for block in reversed(seq.blocks):
-            self._refcount[block] -= 1
-            if self._refcount[block] > 0:
+            refcount[block] -= 1
+            if refcount[block]:
                 continue
-            if self._block_key[block] is not None:
+            if block_key[block] is not None:
                 self._evictable[block] = None
             else:
                 self._free.add(block)
@@ -370,7 +413,7 @@ class BlockManager:
 
     # ------------------------------------------------------------------ invariants
     def check(self) -> None:
-        """Assert every bookkeeping invariant (DESIGN.md "Invariants")."""
+        """Assert every bookkeeping invariant (docs/architecture.md, "Invariants")."""
         references = [0] * self._num_blocks
         for seq_id, seq in self._seqs.items():
             assert len(seq.blocks) == -(-seq.num_tokens // self._block_size), (
@@ -381,6 +424,11 @@ class BlockManager:
             for block in seq.blocks:
                 references[block] += 1
         assert references == self._refcount, "refcounts differ from block-list references"
+        for seq_id, seq in self._seqs.items():
+            assert seq.room == 0 or (
+                self._refcount[seq.blocks[-1]] == 1
+                and seq.room == -seq.num_tokens % self._block_size
+            ), f"sequence {seq_id!r}: room {seq.room} in its last block is wrong"
         referenced = {b for b, count in enumerate(references) if count > 0}
         self._free.check()
         free, evictable = set(self._free), set(self._evictable)
@@ -408,41 +456,85 @@ class BlockManager:
         """A fresh block for a sequence's logical block `index`: the block after `after` if
         free, else the most recently freed one (with `align`, preferring an id congruent to
         `index`), else the least recently released cached block (its cache entry is dropped)."""
-        if after is not None and after + 1 in self._free:
-            self._free.remove(after + 1)
-            return after + 1
-        if self._free:
-            return self._free.pop(index)
-        block, _ = self._evictable.popitem(last=False)
-        key = self._block_key[block]
-        del self._cache[key]
-        self._block_key[block] = None
+        block = self._free.take(after, index)
+        if block is None:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cache[self._block_key[block]]
+            self._block_key[block] = None
         return block
 
-    def _fill(self, seq: _Sequence, tokens: list[int]) -> None:
-        """Write tokens after the sequence's last one, taking blocks as needed (room checked)."""
-        size = self._block_size
-        pos = 0
-        while pos < len(tokens):
-            if seq.num_tokens % size == 0:
-                block = self._take_block(
-                    after=seq.blocks[-1] if seq.blocks else None, index=len(seq.blocks)
-                )
-                self._refcount[block] = 1
-                seq.blocks.append(block)
-            take = min(size - seq.num_tokens % size, len(tokens) - pos)
-            seq.num_tokens += take
-            if self._prefix_caching:
-                seq.tail_tokens.extend(tokens[pos : pos + take])
-                if len(seq.tail_tokens) == size:
-                    self._seal(seq, seq.blocks[-1])
-            pos += take
+    def _cached_prefix(self, keys: list[CacheKey]) -> list[int]:
+        """The cached blocks of the leading `keys`, up to the first one not cached."""
+        hits = []
+        for key in keys:
+            block = self._cache.get(key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
-    def _seal(self, seq: _Sequence, block: int) -> None:
-        """`block` just became full with the tail tokens: key it and start a new tail."""
+    def _fill(self, seq: _Sequence, tokens: list[int], keys: list[CacheKey] | None = None) -> None:
+        """Write tokens after the sequence's last one, taking blocks as needed (room checked).
+
+        With prefix caching, every block they fill is keyed; `keys` are those blocks' keys
+        when the caller has them already.
+        """
+        size = self._block_size
+        blocks = seq.blocks
+        first = seq.num_tokens // size  # the block the first token goes to
+        seq.num_tokens += len(tokens)
+        for _ in range(len(blocks), -(-seq.num_tokens // size)):
+            self._push_block(seq)
+        if self._prefix_caching:
+            pending = seq.tail_tokens + tokens
+            if keys is None:
+                keys = chain_keys(seq.last_full_key, pending, size)
+            self._register(seq, first, keys)
+            seq.tail_tokens = pending[len(keys) * size :]
+        self._update_room(seq)
+
+    def _push_block(self, seq: _Sequence) -> None:
+        """Append a fresh block to the sequence (the caller checked that one is free)."""
+        blocks = seq.blocks
+        block = self._take_block(blocks[-1] if blocks else None, len(blocks))
+        self._refcount[block] = 1
+        blocks.append(block)
+
+    def _open_block(self, seq: _Sequence) -> bool:
+        """Whether the sequence's last block is full and a fresh one could follow it (then
+        it does, and `room` is a whole block)."""
+        if seq.num_tokens % self._block_size or not (self._free or self._evictable):
+            return False
+        self._push_block(seq)
+        seq.room = self._block_size
+        return True
+
+    def _seal_tail(self, seq: _Sequence) -> None:
+        """The last block just filled with the tail tokens: key it and start a new tail."""
         key = chain_key(seq.last_full_key, seq.tail_tokens)
-        seq.tail_tokens = []
+        self._enter(seq.blocks[-1], key)
         seq.last_full_key = key
+        seq.tail_tokens = []
+
+    def _register(self, seq: _Sequence, first: int, keys: list[CacheKey]) -> None:
+        """The sequence's blocks `first, first + 1, ...` just filled, with these `keys`:
+        `_enter` each (inlined: this loop runs once per prompt block)."""
+        cache, block_key = self._cache, self._block_key
+        for block, key in zip(seq.blocks[first : first + len(keys)], keys, strict=True):
+            if key not in cache and block_key[block] is None:
+                cache[key] = block
+                block_key[block] = key
+        if keys:
+            seq.last_full_key = keys[-1]
+
+    def _enter(self, block: int, key: CacheKey) -> None:
+        """Enter a full block in the prefix cache (a key or a block already there stays)."""
         if key not in self._cache and self._block_key[block] is None:
             self._cache[key] = block
             self._block_key[block] = key
+
+    def _update_room(self, seq: _Sequence) -> None:
+        """Set the room `append_token` may write into: the free slots of the last block while
+        this sequence alone holds it, else 0."""
+        alone = bool(seq.blocks) and self._refcount[seq.blocks[-1]] == 1
+        seq.room = -seq.num_tokens % self._block_size if alone else 0

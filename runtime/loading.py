@@ -41,6 +41,7 @@ __all__ = [
     "LoadedModel",
     "load_pretrained",
     "load_weights",
+    "random_model",
     "resolve_dtype",
     "resolve_source",
 ]
@@ -123,18 +124,30 @@ def load_weights(
 ) -> LlamaModel:
     """The model alone, in `dtype` on `device`: `tiny-random` (seeded), an installed model's
     name, a folder or a `.gguf`."""
-    dtype = resolve_dtype(dtype, device)
     source = resolve_source(source)
     if source == TINY_RANDOM:
-        model = LlamaModel(ModelConfig.tiny())
-        _init_random(model, seed)
-        return model.to(dtype=dtype, device=device).eval()
+        return random_model(ModelConfig.tiny(), seed=seed, dtype=dtype, device=device)
+    dtype = resolve_dtype(dtype, device)
     path = Path(source)
     if _is_gguf(path):
         config, state = _read_gguf(path, dtype)
     else:
         config, state = _read_folder(path, dtype)
     return _build(config, state, str(path)).to(device=device).eval()
+
+
+def random_model(
+    config: ModelConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LlamaModel:
+    """A model of `config`'s shape with seeded random weights (norms at one), as tiny-random."""
+    dtype = resolve_dtype(dtype, device)
+    model = LlamaModel(config)
+    _init_random(model, seed)
+    return model.to(dtype=dtype, device=device).eval()
 
 
 def resolve_source(source: str | Path) -> str | Path:

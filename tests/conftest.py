@@ -1,4 +1,5 @@
-"""Shared fixtures: a real uvicorn server on a free loopback port."""
+"""Shared fixtures: a real uvicorn server, configured as the services are, on a free port;
+a sharded replay."""
 
 import contextlib
 import socket
@@ -8,6 +9,9 @@ import time
 import pytest
 import uvicorn
 
+from blocktune.tuner.core.policy import ServerSettings
+from blocktune.tuner.serving.http import server_config
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -16,10 +20,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(app):
-    """Serve an ASGI app with uvicorn in a thread; yields its base URL."""
+def serving(app, settings: ServerSettings = ServerSettings()):  # noqa: B008 - frozen
+    """Serve an ASGI app with uvicorn in a thread (the services' configuration with
+    `settings`' connection limits); yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port, server=settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -38,3 +43,26 @@ def serving(app):
 def live_server():
     """`with live_server(app) as url:` runs the app on loopback for the test."""
     return serving
+
+
+def sharded_report(plan, count: int):
+    """The report of `plan` replayed here in `count` time shards, each with its warm-up."""
+    from blocktune.tuner.replay.runner import ORACLE
+    from blocktune.tuner.replay.shards import merge_shards, time_shards
+
+    shards = time_shards(plan, count)
+
+    def merged(play, *args):
+        parts = [play(shard.plan(plan), *args) for shard in shards]
+        alone = [None] + [play(shard.warmup_plan(plan), *args) for shard in shards[1:]]
+        return merge_shards(plan, shards, parts, alone)
+
+    played = {name: merged(type(plan).play, name) for name in plan.names[:-1]}
+    played[ORACLE] = merged(type(plan).play_oracle, plan.oracle_schedule(played))
+    return plan.report(played)
+
+
+@pytest.fixture
+def replay_in_shards():
+    """`replay_in_shards(plan, count)`: the report of a sharded replay in this process."""
+    return sharded_report

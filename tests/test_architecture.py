@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HTTP_FRAMEWORKS = ("fastapi", "uvicorn", "starlette")
-HEAVY = ("torch", "pandas", "fastapi", "uvicorn")
+DASK = ("dask", "distributed")
+HEAVY = ("torch", "pandas", "fastapi", "uvicorn", "dask", "distributed")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -65,6 +66,13 @@ def test_only_the_serving_layer_imports_http_frameworks():
     assert offenders([p for p in package if p not in serving], HTTP_FRAMEWORKS) == {}
 
 
+def test_only_the_sweep_package_imports_dask():
+    package = sources("tuner") + sources("runtime") + sources("kernels") + sources("traces")
+    sweep = set(sources("tuner/sweep"))
+    assert sweep
+    assert offenders([p for p in package if p not in sweep], DASK) == {}
+
+
 def test_the_core_imports_no_other_tuner_package():
     tuner = ("blocktune.tuner",)
     found = {}
@@ -83,7 +91,7 @@ def test_tuner_has_one_shared_module_beside_its_packages():
     modules = sorted(p.name for p in (ROOT / "tuner").glob("*.py"))
     assert modules == ["__init__.py", "operations.py"]
     packages = sorted(p.parent.name for p in (ROOT / "tuner").glob("*/__init__.py"))
-    assert packages == ["cli", "core", "replay", "serving", "sidecar"]
+    assert packages == ["cli", "core", "replay", "serving", "sidecar", "sweep"]
 
 
 def loaded_after(statement: str) -> set[str]:

@@ -10,7 +10,8 @@ TOKENS = st.lists(st.integers(0, 3), min_size=1, max_size=20)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    """Random allocate / append / fork / free / lease with a model of every sequence's tokens."""
+    """Random allocate / append (one or many tokens) / fork / free / lease with a model of
+    every sequence's tokens."""
 
     @rule(data=st.data())
     def setup_once(self, data):
@@ -51,6 +52,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert after[: len(before) - 1] == before[:-1]
             if after[len(before) - 1] != before[-1]:
                 assert copies == {before[-1]: after[len(before) - 1]}
+        else:
+            assert self.bm.block_ids(seq) == before
+
+    @precondition(lambda self: self.started() and self.tokens)
+    @rule(data=st.data(), token=st.integers(0, 3))
+    def append_one(self, data, token):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        before = self.bm.block_ids(seq)
+        if self.bm.append_token(seq, token):
+            self.tokens[seq].append(token)
+            after = self.bm.block_ids(seq)
+            copies = dict(self.bm.take_pending_copies())
+            # One token: the same blocks, one more, or the tail copied on write.
+            if len(after) > len(before):
+                assert after[:-1] == before and not copies
+            elif after != before:
+                assert after[:-1] == before[:-1] and copies == {before[-1]: after[-1]}
         else:
             assert self.bm.block_ids(seq) == before
 

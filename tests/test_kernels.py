@@ -118,6 +118,26 @@ def test_torch_reference_matches_dense_oracle(block_size, num_heads, num_kv_head
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("lens", [[7, 7, 7], [1, 9, 30, 17, 16]])
+@pytest.mark.parametrize("chunk_bytes", [1, 1 << 20])
+def test_torch_reference_in_chunks_and_without_padding_matches_dense_oracle(
+    monkeypatch, lens, chunk_bytes
+):
+    """One sequence per chunk or all in one; equal lengths (no mask) or ragged; a pool
+    whose slot count is not a multiple of the block size."""
+    from blocktune.kernels import paged_attention as module
+
+    monkeypatch.setattr(module, "GATHER_BYTES_PER_THREAD", chunk_bytes)
+    paged = Paged(lens, 8, 2, 16, torch.float32, seed=5)
+    extra = torch.full((3, 2, 16), 1e4)
+    paged.key_cache = torch.cat([paged.key_cache, extra])
+    paged.value_cache = torch.cat([paged.value_cache, extra])
+    query = _query(len(lens), 4, 16, torch.float32, seed=5)
+    out = paged_attention_torch(*paged.args(query), block_size=8, scale=0.4)
+    expected = dense_attention(query, paged.keys, paged.values, scale=0.4)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
 def test_torch_reference_default_scale_is_inverse_sqrt_head_dim():
     paged = Paged([5, 20], 8, 2, 16, torch.float32, seed=3)
     query = _query(2, 2, 16, torch.float32, seed=3)

@@ -170,14 +170,22 @@ def test_spread_samples_stays_in_buckets_and_matches_the_sum():
 
 
 def test_sidecar_recommends_a_restart_for_vllm(live_server, caplog):
+    """vLLM at B=32 with a KV budget short traffic fills: a restart with 16 (vLLM's backend
+    takes multiples of 16 only) pays back within the dwell, so the sidecar advises it."""
     rng = np.random.default_rng(1)
-    vllm = FakeVllm(block_size=16)
+    vllm = FakeVllm(block_size=32)
     vllm.add(ENGINE_A, [100], [100])
     holder = {"text": vllm.text()}
     with live_server(serve_exposition(holder)) as vllm_url:
         settings = VllmMetricsSettings(url=f"{vllm_url}/metrics", interval="0.1s")
         policy = POLICY.model_copy(
-            update={"sources": Sources(push=False, vllm_metrics=settings), "mode": "enforce"}
+            update={
+                "sources": Sources(push=False, vllm_metrics=settings),
+                "mode": "enforce",
+                "engine": "vllm",
+                "candidates": (16, 32, 64, 128),
+                "kv_budget": 48 * 2**20,
+            }
         )
         sidecar = Sidecar(policy)
         with live_server(create_sidecar_app(sidecar)) as url:
@@ -188,15 +196,34 @@ def test_sidecar_recommends_a_restart_for_vllm(live_server, caplog):
             with caplog.at_level("INFO", logger="blocktune.sidecar"):
                 body = httpx.post(f"{url}/v1/decide").json()
                 again = httpx.post(f"{url}/v1/decide").json()
-            assert body["current_block_size"] == 16 and body["block_size"] == 8
-            assert body["action"] == again["action"] == "restart vLLM with --block-size 8"
+            assert body["current_block_size"] == 32 and body["block_size"] == 16
+            assert body["material"] is True and body["switch_cost_s"] == 60.0
+            assert body["action"] == again["action"] == "restart vLLM with --block-size 16"
             assert body["enforcing"] is False  # vLLM cannot swap: a recommendation
             events = [json.loads(r.message)["event"] for r in caplog.records]
             assert events.count("decision") == 2 and events.count("recommendation") == 1
             metrics = httpx.get(f"{url}/metrics").text
-            assert "blocktune_recommended_block_size 8.0" in metrics
-            assert "blocktune_current_block_size 16.0" in metrics
+            assert "blocktune_recommended_block_size 16.0" in metrics
+            assert "blocktune_current_block_size 32.0" in metrics
             assert httpx.post(f"{url}/v1/observations", json=[]).status_code == 403
+
+
+@pytest.mark.parametrize("reported", [24, 2**20])
+def test_a_reported_size_that_is_no_block_size_is_counted_and_ignored(live_server, reported):
+    holder = {"text": FakeVllm(block_size=reported).text()}
+    with live_server(serve_exposition(holder)) as vllm_url:
+        settings = VllmMetricsSettings(url=f"{vllm_url}/metrics")
+        sidecar = Sidecar(
+            POLICY.model_copy(update={"sources": Sources(push=False, vllm_metrics=settings)})
+        )
+        SourceRunner.poll(sidecar.sources[0])
+    assert sidecar.current_block_size == 16
+    status = sidecar.statuses["vllm_metrics"].to_dict()
+    assert (
+        status["errors"] == 1
+        and f"block_size {reported} is not a power of two" in (status["last_error"])
+    )
+    sidecar.sources[0].close()
 
 
 def test_an_unreachable_vllm_is_counted_and_not_ready():

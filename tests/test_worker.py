@@ -240,16 +240,16 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_worker_recovers(
     model, live_server, monkeypatch
 ):
     loop = EngineLoop(_engine(model))
-    decode = loop.engine.model.decode
+    forward_step = loop.engine.model.forward_step
     calls = {"n": 0}
 
-    def flaky_decode(*args, **kwargs):
+    def flaky_forward_step(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected device fault")
-        return decode(*args, **kwargs)
+        return forward_step(*args, **kwargs)
 
-    monkeypatch.setattr(loop.engine.model, "decode", flaky_decode)
+    monkeypatch.setattr(loop.engine.model, "forward_step", flaky_forward_step)
     loop.start()
     with live_server(_app(loop)) as url:
         body = {"prompt_ids": [1, 2, 3], "max_tokens": 5}

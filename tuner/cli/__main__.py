@@ -4,4 +4,5 @@ import sys
 
 from blocktune.tuner.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # worker processes started by spawn import this module too
+    sys.exit(main())

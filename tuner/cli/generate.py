@@ -7,7 +7,11 @@ import json
 import sys
 from pathlib import Path
 
-from blocktune.tuner.cli._common import add_engine_arguments, load_model_from_args
+from blocktune.tuner.cli._common import (
+    add_engine_arguments,
+    engine_config_from_args,
+    load_model_from_args,
+)
 from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES
 
 __all__ = ["register"]
@@ -23,26 +27,18 @@ def parse_swap(text: str) -> tuple[int, int]:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Generate completions for every prompt in the file and print them."""
-    from blocktune.runtime.engine import Engine, EngineConfig, RequestError, SamplingParams
+    from blocktune.runtime.engine import Engine, RequestError, SamplingParams
     from blocktune.runtime.model import ModelLoadError
     from blocktune.tuner.cli.prompt_file import PromptFileError, read_prompts
 
     try:
         lines = read_prompts(args.prompts)
         loaded = load_model_from_args(args)
-        engine = Engine(
-            loaded.model,
-            EngineConfig(
-                block_size=args.block_size,
-                num_blocks=args.num_blocks,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len,
-                attention_backend=args.backend,
-                candidate_block_sizes=tuple(
-                    sorted({args.block_size, *DEFAULT_CANDIDATES} | {b for _, b in args.swap_at})
-                ),
-            ),
+        swaps = {b for _, b in args.swap_at}
+        config = engine_config_from_args(
+            args, {*DEFAULT_CANDIDATES, *swaps}, num_blocks=args.num_blocks
         )
+        engine = Engine(loaded.model, config)
     except (PromptFileError, ModelLoadError, ValueError) as error:
         print(f"blocktune generate: {error}", file=sys.stderr)
         return 2

@@ -14,12 +14,13 @@ import sys
 from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
-    SYNTHETIC,
     add_load_arguments,
     load_from_args,
     load_policy_and_calibration,
+    positive_int,
+    report_skipped,
 )
-from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
+from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE, SYNTHETIC_TRACE
 from blocktune.tuner.core.text_table import text_table
 
 if TYPE_CHECKING:
@@ -29,13 +30,6 @@ if TYPE_CHECKING:
     from blocktune.tuner.core.window import WindowSnapshot
 
 __all__ = ["register"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _kib(value: float) -> str:
@@ -124,13 +118,14 @@ def to_json(decision: Decision, snapshot: WindowSnapshot, **extra: object) -> st
 def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     from blocktune.tuner.core.recommendation import RecommendError
 
-    if args.trace == SYNTHETIC:
+    if args.trace == SYNTHETIC_TRACE:
         from blocktune.traces.synth import customer_service_day
 
         frame = customer_service_day(args.seed)
         label = f"synthetic customer-service day (seed {args.seed})"
     else:
         loaded = load_from_args(args)
+        report_skipped(loaded)
         frame, label = loaded.frame, f"{args.trace} (format {loaded.format})"
     if args.phase is not None:
         if "phase" not in frame:
@@ -194,7 +189,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     add_load_arguments(
         parser,
-        trace_help=f"trace file, or '{SYNTHETIC}' for the synthetic customer-service day",
+        trace_help=f"trace file, or '{SYNTHETIC_TRACE}' for the synthetic customer-service day",
         seed_help="seed of the synthetic day or of --rate arrivals (default: 0)",
     )
     parser.add_argument(
@@ -206,14 +201,14 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--current",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_BLOCK_SIZE,
         metavar="B",
         help="the block size in force now, for the switch decision (default: %(default)s)",
     )
     parser.add_argument(
         "--last",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="use only the last N requests, like the online window (default: all)",

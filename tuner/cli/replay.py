@@ -11,58 +11,65 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
-    SYNTHETIC,
+    DayFlagError,
+    add_calibration_argument,
+    add_day_arguments,
     add_load_arguments,
-    load_from_args,
     load_policy_and_calibration,
+    load_trace_or_day,
+    positive_int,
 )
-from blocktune.tuner.core.defaults import DEFAULT_POLICY
+from blocktune.tuner.core.defaults import DEFAULT_POLICY, SYNTHETIC_TRACE
 
 if TYPE_CHECKING:
     import pandas as pd
 
+    from blocktune.tuner.core.calibration import Calibration
     from blocktune.tuner.core.policy import Policy
+    from blocktune.tuner.replay.runner import ReplayReport
 
 __all__ = ["register"]
 
-DAY_DURATION_S = 86_400.0
-DAY_RATE_SCALE = 0.05  # about 8000 requests: the embedded day replays in a few seconds
 PROGRESS_MIN_REQUESTS = 10_000
 
 
-def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
-    """The request table and a label for it: the embedded day or the TRACE file."""
-    from blocktune.tuner.replay.runner import ReplayError
+def _replay(
+    frame: pd.DataFrame, policy: Policy, calibration: Calibration, label: str, args
+) -> ReplayReport:
+    """The replay, its policies in --jobs worker processes (no more than there are policies;
+    1: here, one after another)."""
+    from blocktune.tuner.replay.runner import replay
 
-    if args.trace in (None, SYNTHETIC):
-        from blocktune.traces.synth import customer_service_day
+    progress = len(frame) >= PROGRESS_MIN_REQUESTS
+    if args.jobs == 1:
+        return replay(
+            frame,
+            policy,
+            calibration,
+            label=label,
+            initial_block_size=args.initial_block_size,
+            progress=progress,
+        )
+    from blocktune.tuner.replay.runner import policy_names
+    from blocktune.tuner.sweep.executor import dask_client, submit_replay, track
 
-        args.duration = DAY_DURATION_S if args.duration is None else args.duration
-        args.rate_scale = DAY_RATE_SCALE if args.rate_scale is None else args.rate_scale
-        frame = customer_service_day(
-            args.seed, duration_s=args.duration, rate_scale=args.rate_scale
+    with dask_client(workers=min(args.jobs, len(policy_names(policy)))) as client:
+        submitted = submit_replay(
+            client,
+            client.scatter(frame),
+            policy,
+            calibration,
+            label=label,
+            initial_block_size=args.initial_block_size,
         )
-        label = (
-            f"synthetic customer-service day (seed {args.seed}, {args.duration:g} s, "
-            f"rate scale {args.rate_scale:g})"
-        )
-        return frame, label
-    for flag, value in (("--duration", args.duration), ("--rate-scale", args.rate_scale)):
-        if value is not None:
-            raise ReplayError(f"{flag} changes the embedded day only, not the trace {args.trace}")
-    loaded = load_from_args(args)
-    skipped = sum(loaded.skipped.values())
-    if skipped:
-        reasons = ", ".join(f"{reason} {count}" for reason, count in loaded.skipped.items())
-        print(f"skipped {skipped} of {loaded.rows_read} rows: {reasons}", file=sys.stderr)
-    for warning in loaded.warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    return loaded.frame, f"{Path(args.trace).name} (format {loaded.format})"
+        track(client, submitted.plays, desc="policies", progress=progress)
+        return submitted.report.result()
 
 
 def run_replay(args: argparse.Namespace) -> int:
@@ -76,22 +83,22 @@ def run_replay(args: argparse.Namespace) -> int:
     from blocktune.tuner.core.config_files import ConfigError
     from blocktune.tuner.replay.plots import write_plots
     from blocktune.tuner.replay.report import format_replay_table, report_dict, write_json
-    from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError, replay
+    from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError
 
     try:
-        policy, calibration = load_policy_and_calibration(args.policy)
-        frame, label = _load(args)
+        policy, calibration = load_policy_and_calibration(args.policy, args.calibration)
+        frame, label = load_trace_or_day(args)
         if args.json != "-":
             _print_setup(frame, label, policy, args.policy, calibration.describe())
-        report = replay(
-            frame,
-            policy,
-            calibration,
-            label=label,
-            initial_block_size=args.initial_block_size,
-            progress=len(frame) >= PROGRESS_MIN_REQUESTS,
-        )
-    except (ConfigError, TraceError, CalibrationError, WorkloadError, ReplayError) as exc:
+        report = _replay(frame, policy, calibration, label, args)
+    except (
+        ConfigError,
+        TraceError,
+        CalibrationError,
+        WorkloadError,
+        ReplayError,
+        DayFlagError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json == "-":
@@ -137,13 +144,6 @@ def _print_setup(
     print(f"calibration: {calibration}", flush=True)
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `replay` to the command line."""
     parser = commands.add_parser(
@@ -153,7 +153,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     add_load_arguments(
         parser,
-        trace_help=f"trace file (default, or '{SYNTHETIC}': the embedded customer-service day)",
+        trace_help=f"trace file (default, or '{SYNTHETIC_TRACE}': the embedded "
+        "customer-service day)",
         trace_optional=True,
         seed_help="seed of the embedded day or of --rate arrivals (default: 0)",
     )
@@ -181,16 +182,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="block size the adaptive policy starts at (default: the candidate nearest 16)",
     )
     parser.add_argument(
-        "--duration",
-        type=_positive_float,
-        default=None,
-        help=f"embedded day: seconds the day spans (default: {DAY_DURATION_S:g}, a real day)",
+        "--jobs",
+        type=positive_int,
+        default=os.cpu_count() or 1,
+        metavar="N",
+        help="replay the policies in N worker processes, a local Dask cluster; 1 replays them "
+        "here, one after another (default: the cores, %(default)s)",
     )
-    parser.add_argument(
-        "--rate-scale",
-        type=_positive_float,
-        default=None,
-        help=f"embedded day: multiplier on every arrival rate (default: {DAY_RATE_SCALE:g}, "
-        "about 8000 requests; 1 is about 163000)",
-    )
+    add_day_arguments(parser)
+    add_calibration_argument(parser)
     parser.set_defaults(handler=run_replay)

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blocktune.tuner.cli._common import add_engine_arguments, load_model_from_args
+from blocktune.tuner.cli._common import (
+    add_engine_arguments,
+    engine_config_from_args,
+    load_model_from_args,
+)
 from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES, DEFAULT_TOKEN_ENV
 
 __all__ = ["register"]
@@ -40,10 +44,11 @@ def run_worker(args: argparse.Namespace) -> int:
     """Load the model, start the engine loop and serve until SIGINT/SIGTERM."""
     import logging
 
-    from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.engine import Engine
     from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.model import ModelLoadError
     from blocktune.tuner.core.config_files import ConfigError
+    from blocktune.tuner.core.policy import ServerSettings, load_policy
     from blocktune.tuner.operations import token_from_env
     from blocktune.tuner.serving.http import InsecureBind, check_bind
     from blocktune.tuner.serving.worker_app import LengthPusher, serve_worker
@@ -51,6 +56,7 @@ def run_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         candidates, token_env = candidates_and_token_env(args)
+        server = load_policy(args.policy).server if args.policy else ServerSettings()
     except ConfigError as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
@@ -58,17 +64,8 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         check_bind(args.host, token)
         loaded = load_model_from_args(args)
-        engine = Engine(
-            loaded.model,
-            EngineConfig(
-                block_size=args.block_size,
-                kv_bytes=args.kv_bytes,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=args.max_model_len,
-                attention_backend=args.backend,
-                candidate_block_sizes=tuple(sorted({*candidates, args.block_size})),
-            ),
-        )
+        config = engine_config_from_args(args, candidates, kv_bytes=args.kv_bytes)
+        engine = Engine(loaded.model, config)
     except (InsecureBind, ModelLoadError, ValueError) as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
@@ -86,6 +83,7 @@ def run_worker(args: argparse.Namespace) -> int:
         port=args.port,
         token=token,
         pusher=pusher,
+        server=server,
     )
     return 0
 
@@ -117,7 +115,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--policy",
         default=None,
-        help="a deployment policy: its candidates and auth.token_env are the defaults here",
+        help="a deployment policy: its candidates and auth.token_env are the defaults here, "
+        "and its server section's read_timeout, keep_alive and max_connections apply",
     )
     parser.add_argument(
         "--candidates",

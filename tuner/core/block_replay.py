@@ -54,7 +54,7 @@ def drive_block_manager(
             held += prompt
             next_request += 1
         for seq_id in remaining:
-            manager.append_tokens(seq_id, (0,))
+            manager.append_token(seq_id, 0)
             remaining[seq_id] -= 1
         held += len(remaining)
         steps += 1

@@ -9,8 +9,10 @@ from __future__ import annotations
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_CANDIDATES",
+    "DEFAULT_DAY_RATE_SCALE",
     "DEFAULT_POLICY",
     "DEFAULT_TOKEN_ENV",
+    "SYNTHETIC_TRACE",
 ]
 
 DEFAULT_BLOCK_SIZE = 16
@@ -24,3 +26,9 @@ DEFAULT_TOKEN_ENV = "BLOCKTUNE_TOKEN"
 
 DEFAULT_POLICY = "default"
 """The bundled policy used when a command is given none (``policies/default.yaml``)."""
+
+SYNTHETIC_TRACE = "synthetic"
+"""The trace name that stands for the embedded synthetic customer-service day."""
+
+DEFAULT_DAY_RATE_SCALE = 0.05
+"""The embedded day's arrival-rate multiplier in replays: about 8000 requests, a few seconds."""

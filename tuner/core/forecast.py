@@ -44,7 +44,7 @@ __all__ = [
 FORECAST_REQUESTS = 128
 """The window's latest requests a forecast replays (a window holds up to its capacity)."""
 
-CAPACITY_RANGE = (1 / 64, 64.0)
+CAPACITY_RANGE = (1 / 4096, 64.0)
 """The multiples of the observed arrival rate a capacity search spans (its result is clamped)."""
 
 CAPACITY_TOLERANCE = 0.01
@@ -69,23 +69,44 @@ class ServingMetrics:
 
     @classmethod
     def of(cls, run: Run, workload: Workload) -> ServingMetrics:
-        """The metrics of `run`, a simulation of `workload` (TPOT over requests of 2+ tokens)."""
+        """The metrics of `run`, a simulation of `workload`."""
+        return cls.of_times(
+            workload,
+            run.first_token_s,
+            run.finish_s,
+            run.generated,
+            peak_kv_bytes=int(run.peak_kv_bytes),
+            preemptions=int(run.preemptions),
+        )
+
+    @classmethod
+    def of_times(
+        cls,
+        workload: Workload,
+        first_token_s: np.ndarray,
+        finish_s: np.ndarray,
+        generated: np.ndarray,
+        *,
+        peak_kv_bytes: int = 0,
+        preemptions: int = 0,
+    ) -> ServingMetrics:
+        """The metrics of a served workload, simulated or live, from its per-row first-token
+        and finish times and generated tokens (TPOT over requests of 2+ tokens)."""
         arrival, outputs = workload.arrival_s, workload.output_tokens
-        ttft = run.first_token_s - arrival
         later = outputs > 1
-        tpot = (run.finish_s[later] - run.first_token_s[later]) / (outputs[later] - 1)
-        span = run.end_s - float(arrival[0])
+        tpot = (finish_s[later] - first_token_s[later]) / (outputs[later] - 1)
+        span = float(np.max(finish_s)) - float(arrival[0])
         tpot_p50, tpot_p99 = np.percentile(tpot, [50, 99]) if len(tpot) else (np.nan, np.nan)
-        ttft_p50, ttft_p99 = np.percentile(ttft, [50, 99])
+        ttft_p50, ttft_p99 = np.percentile(first_token_s - arrival, [50, 99])
         return cls(
-            tokens_per_s=float(run.generated.sum()) / span if span > 0 else math.nan,
+            tokens_per_s=float(generated.sum()) / span if span > 0 else math.nan,
             ttft_p50_s=float(ttft_p50),
             ttft_p99_s=float(ttft_p99),
             tpot_p50_s=float(tpot_p50),
             tpot_p99_s=float(tpot_p99),
-            e2e_p99_s=float(np.percentile(run.finish_s - arrival, 99)),
-            peak_kv_bytes=int(run.peak_kv_bytes),
-            preemptions=int(run.preemptions),
+            e2e_p99_s=float(np.percentile(finish_s - arrival, 99)),
+            peak_kv_bytes=peak_kv_bytes,
+            preemptions=preemptions,
         )
 
     def meets(self, slo: SloSettings) -> bool:
@@ -167,7 +188,8 @@ class Forecaster:
         out = []
         for b in block_sizes:
             capacity = reference
-            if b != current and self._meets(workload, b, reference * (1 + gain)):
+            above = reference * (1 + gain)
+            if b != current and above <= CAPACITY_RANGE[1] and self._meets(workload, b, above):
                 capacity = self._bisect(workload, b, reference * (1 + gain), CAPACITY_RANGE[1])
             elif b != current and not self._meets(workload, b, reference * (1 - gain)):
                 low = max(CAPACITY_RANGE[0], reference / 8)
@@ -186,7 +208,10 @@ class Forecaster:
             low, high = headroom, headroom * 4
             while high < high_limit and self._meets(workload, b, high):
                 low, high = high, high * 4
-            high = min(high, high_limit)
+            if high >= high_limit:
+                if self._meets(workload, b, high_limit):
+                    return high_limit  # served within the SLO at the top of the range
+                high = high_limit
         elif known[0].meets(slo):
             low, high = 1.0, headroom
         else:

@@ -90,7 +90,14 @@ class Workload:
 
     def without_longer_than(self, tokens: int) -> Workload:
         """The requests of at most `tokens` prompt + output tokens (self if that is all)."""
-        keep = self.total_tokens <= tokens
+        return self._where(self.total_tokens <= tokens)
+
+    def arriving_in(self, start_s: float, end_s: float) -> Workload:
+        """The requests arriving from `start_s` until before `end_s` (self if that is all)."""
+        return self._where((self.arrival_s >= start_s) & (self.arrival_s < end_s))
+
+    def _where(self, keep: np.ndarray) -> Workload:
+        """The rows where `keep` is true, in order, with their prefix chains renumbered."""
         if keep.all():
             return self
         row = np.cumsum(keep) - 1

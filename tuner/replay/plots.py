@@ -17,7 +17,14 @@ from matplotlib.figure import Figure
 
 from blocktune.tuner.replay.runner import ReplayReport
 
-__all__ = ["PLOT_FILES", "plot_adaptive_timeline", "plot_lengths", "plot_policies", "write_plots"]
+__all__ = [
+    "PLOT_FILES",
+    "agg_figure",
+    "plot_adaptive_timeline",
+    "plot_lengths",
+    "plot_policies",
+    "write_plots",
+]
 
 PLOT_FILES = ("lengths_over_time.png", "adaptive_timeline.png", "policies.png")
 _DPI = 110
@@ -32,7 +39,8 @@ def _time_unit(span_s: float) -> tuple[float, str]:
     return 1.0, "s"
 
 
-def _figure(height: float = 4.0) -> Figure:
+def agg_figure(height: float = 4.0) -> Figure:
+    """A 9-inch-wide figure on an Agg canvas, laid out by matplotlib's constrained layout."""
     figure = Figure(figsize=(9, height), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
@@ -43,7 +51,7 @@ def plot_lengths(report: ReplayReport) -> Figure:
     workload = report.workload
     scale, unit = _time_unit(float(workload.arrival_s[-1]))
     totals = workload.total_tokens
-    figure = _figure()
+    figure = agg_figure()
     axes = figure.add_subplot()
     time_bins = np.linspace(0, workload.arrival_s[-1] / scale, 97)
     length_bins = np.logspace(np.log2(totals.min()), np.log2(totals.max() + 1), 49, base=2.0)
@@ -62,7 +70,7 @@ def plot_adaptive_timeline(report: ReplayReport) -> Figure:
     workload, interval = report.workload, report.interval_s
     span = max(float(workload.arrival_s[-1]), interval)
     scale, unit = _time_unit(span)
-    figure = _figure(5.5)
+    figure = agg_figure(5.5)
     sizes, rates = figure.subplots(2, 1, sharex=True, height_ratios=(1, 1))
     starts = np.arange(len(report.oracle_schedule)) * interval / scale
     sizes.step(starts, report.oracle_schedule, where="post", ls="--", c="grey", label="oracle")
@@ -88,7 +96,7 @@ def plot_adaptive_timeline(report: ReplayReport) -> Figure:
 def plot_policies(report: ReplayReport) -> Figure:
     """Padding ratio and peak KV bytes, one bar per policy."""
     names = [r.policy for r in report.results]
-    figure = _figure()
+    figure = agg_figure()
     padding, peak = figure.subplots(1, 2)
     padding.bar(names, [100 * r.padding_ratio for r in report.results], color="C0")
     padding.set_ylabel("padding [% of allocated KV slots]")

@@ -17,13 +17,23 @@ Each policy's `PolicyResult` has the serving metrics of its run, its score on
 the policy goal and its per-token cost J. Requests longer than the smallest
 candidate's pool could never run and are left out; `ReplayReport.warnings`
 says so, and names the runs that were overloaded.
+
+The static sizes and the adaptive policy do not depend on one another:
+`plan_replay` builds what every policy shares once (the workload, the server,
+the interval costs), `ReplayPlan.play` simulates one of them, in any process,
+`ReplayPlan.play_oracle` the oracle once the static runs are known, and
+`ReplayPlan.report` assembles the report. `replay` does it all in this
+process, one policy after another; `blocktune.tuner.sweep` runs the plays as
+Dask tasks.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -42,15 +52,20 @@ from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, goal_val
 __all__ = [
     "ADAPTIVE",
     "ORACLE",
+    "Played",
     "PolicyResult",
     "ReplayError",
+    "ReplayPlan",
     "ReplayReport",
+    "plan_replay",
+    "policy_names",
     "replay",
     "static_name",
 ]
 
 ADAPTIVE = "adaptive"
 ORACLE = "oracle"
+MAX_INTERVALS = 1_000_000  # the objective keeps a row per decision interval of trace time
 
 
 class ReplayError(ValueError):
@@ -153,7 +168,119 @@ class ReplayReport:
         raise KeyError(name)
 
 
-def replay(
+def policy_names(policy: Policy) -> tuple[str, ...]:
+    """The policies a replay of `policy` plays, in report order: static-B per candidate,
+    adaptive, oracle."""
+    return (*(static_name(size) for size in policy.candidates), ADAPTIVE, ORACLE)
+
+
+@dataclass(frozen=True)
+class Played:
+    """One policy's simulation: its run, the adaptive timeline (empty for the other
+    policies) and the wall-clock seconds it took."""
+
+    run: Run
+    timeline: list[TimelinePoint]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What every policy of one replay shares, built once by `plan_replay`.
+
+    `play(name)` simulates a static size or the adaptive policy, in any
+    process and in any order; the oracle follows the static runs:
+    `oracle_schedule` picks its size per interval from them and
+    `play_oracle` simulates it. `report` assembles the `ReplayReport` from
+    the `Played` of every name in `names`. `too_long` counts the requests
+    left out because they could never fit the pool.
+    """
+
+    label: str
+    policy: Policy
+    calibration: Calibration
+    server: StepCostModel
+    initial: int
+    workload: Workload
+    too_long: int
+    costs: IntervalCosts
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return policy_names(self.policy)
+
+    def play(self, name: str, *, progress: bool = False) -> Played:
+        """Simulate the static size or the adaptive policy called `name`; `progress` shows a
+        tqdm bar."""
+        if name == ADAPTIVE:
+            w = self.workload
+            controller = AdaptiveController(
+                self.policy, self.calibration, w.prompt_tokens, w.output_tokens, w.group
+            )
+            return self._simulate(name, self.initial, controller, progress)
+        for size in self.policy.candidates:
+            if name == static_name(size):
+                return self._simulate(name, size, None, progress)
+        raise ReplayError(f"{name!r} is not a policy played alone: {', '.join(self.names[:-1])}")
+
+    def oracle_schedule(self, played: Mapping[str, Played]) -> np.ndarray:
+        """The oracle's size per interval: the best static size of each on the policy goal,
+        in hindsight of the static runs in `played`."""
+        static = {size: played[static_name(size)].run for size in self.policy.candidates}
+        policy = self.policy
+        scores = GoalScores.of(
+            policy.goal, static, self.workload, self.costs.interval_s, policy.slo
+        )
+        return scores.best_schedule()
+
+    def play_oracle(self, schedule: np.ndarray, *, progress: bool = False) -> Played:
+        """Simulate the oracle following `schedule` (from `oracle_schedule`), swapping free."""
+        controller = OracleController(self.costs.interval_s, schedule)
+        return self._simulate(ORACLE, int(schedule[0]), controller, progress)
+
+    def _simulate(
+        self, name: str, size: int, controller: Controller | None, progress: bool
+    ) -> Played:
+        start = time.perf_counter()
+        with tqdm(
+            total=len(self.workload), desc=name, unit="req", leave=False, disable=not progress
+        ) as bar:
+            run = simulate(self.workload, self.server, size, controller=controller, progress=bar)
+        timeline = controller.timeline if isinstance(controller, AdaptiveController) else []
+        return Played(run, timeline, time.perf_counter() - start)
+
+    def report(self, played: Mapping[str, Played]) -> ReplayReport:
+        """The report of this replay from the `Played` of every name in `names`."""
+        schedule = self.oracle_schedule(played)
+        results = [self._result(name, played[name], schedule) for name in self.names]
+        runs = {name: played[name].run for name in self.names}
+        trace = _trace_summary(self.label, self.workload, self.too_long)
+        return ReplayReport(
+            trace=trace,
+            policy=_policy_summary(self.policy, self.calibration, self.initial),
+            results=results,
+            timeline=played[ADAPTIVE].timeline,
+            oracle_schedule=schedule,
+            interval_s=self.costs.interval_s,
+            workload=self.workload,
+            runs=runs,
+            warnings=replay_warnings(trace, results, runs, self.workload, self.policy),
+        )
+
+    def _result(self, name: str, played: Played, schedule: np.ndarray) -> PolicyResult:
+        run, costs = played.run, self.costs
+        if name == ADAPTIVE:
+            in_force = costs.sizes_in_force(self.initial, run.switches)
+            size, objective = None, costs.schedule(in_force, run.swap_pause_s)
+        elif name == ORACLE:
+            size, objective = None, costs.schedule(schedule)
+        else:
+            size, objective = run.block_size, costs.static(run.block_size)
+        goal = goal_value(self.policy.goal, run, self.workload, self.policy.slo)
+        return PolicyResult.of(name, size, run, self.workload, (goal, objective), played.seconds)
+
+
+def plan_replay(
     frame: pd.DataFrame,
     policy: Policy,
     calibration: Calibration,
@@ -161,13 +288,12 @@ def replay(
     label: str = "trace",
     initial_block_size: int | None = None,
     fixed_step_s: float | None = None,
-    progress: bool = False,
-) -> ReplayReport:
-    """Replay `frame` (the canonical request table) under every policy; see the module doc.
+) -> ReplayPlan:
+    """The shared part of a replay of `frame` (the canonical request table) under `policy`.
 
     `initial_block_size` is where the adaptive policy starts (default: the
     candidate nearest 16). `fixed_step_s` replaces the calibrated step time
-    (see `StepCostModel`). `progress` shows a tqdm bar per policy.
+    (see `StepCostModel`).
     """
     server = StepCostModel(policy, calibration, fixed_step_s)
     initial = _initial(policy, initial_block_size)
@@ -179,56 +305,52 @@ def replay(
     workload = loaded.without_longer_than(fits)
     if not len(workload):
         raise ReplayError(f"{label}: every request is longer than the KV pool ({fits} token slots)")
-    costs = IntervalCosts.of(workload, server.cost_model)
-    results, runs = [], {}
-
-    def play(name: str, size: int, controller: Controller | None) -> tuple[Run, float]:
-        start = time.perf_counter()
-        with tqdm(
-            total=len(workload), desc=name, unit="req", leave=False, disable=not progress
-        ) as bar:
-            run = simulate(workload, server, size, controller=controller, progress=bar)
-        runs[name] = run
-        return run, time.perf_counter() - start
-
-    def scores(run: Run, objective: float) -> tuple[float, float]:
-        return goal_value(policy.goal, run, workload, policy.slo), objective
-
-    static_runs = {}
-    for size in policy.candidates:
-        run, seconds = play(static_name(size), size, None)
-        static_runs[size] = run
-        result = PolicyResult.of(
-            static_name(size), size, run, workload, scores(run, costs.static(size)), seconds
-        )
-        results.append(result)
-    adaptive = AdaptiveController(
-        policy, calibration, workload.prompt_tokens, workload.output_tokens, workload.group
-    )
-    run, seconds = play(ADAPTIVE, initial, adaptive)
-    in_force = costs.sizes_in_force(initial, run.switches)
-    objective = costs.schedule(in_force, run.swap_pause_s)
-    results.append(PolicyResult.of(ADAPTIVE, None, run, workload, scores(run, objective), seconds))
-    goal = GoalScores.of(policy.goal, static_runs, workload, costs.interval_s, policy.slo)
-    schedule = goal.best_schedule()
-    oracle = OracleController(costs.interval_s, schedule)
-    run, seconds = play(ORACLE, int(schedule[0]), oracle)
-    result = PolicyResult.of(
-        ORACLE, None, run, workload, scores(run, costs.schedule(schedule)), seconds
-    )
-    results.append(result)
-    trace = _trace_summary(label, workload, len(loaded) - len(workload))
-    return ReplayReport(
-        trace=trace,
-        policy=_policy_summary(policy, calibration, initial),
-        results=results,
-        timeline=adaptive.timeline,
-        oracle_schedule=schedule,
-        interval_s=costs.interval_s,
+    _check_span(workload, policy.interval.total_seconds(), label)
+    return ReplayPlan(
+        label=label,
+        policy=policy,
+        calibration=calibration,
+        server=server,
+        initial=initial,
         workload=workload,
-        runs=runs,
-        warnings=replay_warnings(trace, results, runs, workload, policy),
+        too_long=len(loaded) - len(workload),
+        costs=IntervalCosts.of(workload, server.cost_model),
     )
+
+
+def replay(
+    frame: pd.DataFrame,
+    policy: Policy,
+    calibration: Calibration,
+    *,
+    progress: bool = False,
+    **options: Any,
+) -> ReplayReport:
+    """Replay `frame` under every policy, one after another in this process: the plan of
+    `plan_replay` with `options` (`label`, `initial_block_size`, `fixed_step_s`), every play
+    and the report. `progress` shows a tqdm bar per policy."""
+    plan = plan_replay(frame, policy, calibration, **options)
+    played = {name: plan.play(name, progress=progress) for name in plan.names[:-1]}
+    played[ORACLE] = plan.play_oracle(plan.oracle_schedule(played), progress=progress)
+    return plan.report(played)
+
+
+def _check_span(workload: Workload, interval_s: float, label: str) -> None:
+    """Refuse a trace whose arrivals run past `MAX_INTERVALS` decision intervals."""
+    arrivals = workload.arrival_s
+    intervals = float(arrivals[-1]) / interval_s
+    if intervals < MAX_INTERVALS:
+        return
+    problem = (
+        f"{label}: the last request arrives {float(arrivals[-1]):.4g} s into the trace, "
+        f"{intervals:.4g} decision intervals of {interval_s:g} s; a replay holds at most "
+        f"{MAX_INTERVALS:,} (use a longer policy interval, or look for a stray timestamp)"
+    )
+    if len(arrivals) > 1:
+        widest = int(np.argmax(np.diff(arrivals)))
+        gap = float(arrivals[widest + 1] - arrivals[widest])
+        problem += f": the widest gap, {gap:.4g} s, follows the request at {arrivals[widest]:.4g} s"
+    raise ReplayError(problem)
 
 
 def _initial(policy: Policy, requested: int | None) -> int:

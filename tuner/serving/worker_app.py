@@ -39,9 +39,10 @@ from blocktune.runtime.engine import FinishedRequest, RequestError
 from blocktune.runtime.engine_loop import EngineLoop, EngineStepFailed
 from blocktune.runtime.hot_swap import SwapResult
 from blocktune.runtime.tokenizer import Tokenizer
+from blocktune.tuner.core.policy import ServerSettings
 from blocktune.tuner.operations import log_event
 from blocktune.tuner.serving.generation import Generation
-from blocktune.tuner.serving.http import BearerAuth, BodyLimit
+from blocktune.tuner.serving.http import BearerAuth, guarded_app, server_config
 from blocktune.tuner.serving.openai_api import OpenAIError, Prepared, ServedModel
 from blocktune.tuner.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from blocktune.tuner.serving.worker_metrics import WorkerMetrics
@@ -237,6 +238,28 @@ async def _unless_gone(work, request: Request) -> None:
     task.result()
 
 
+async def _swap(loop: EngineLoop, size: int) -> dict:
+    """Swap the engine's block size at its next step boundary: 422 for a size that is not a
+    candidate, else the swap's result (done, rejected or rolled back)."""
+    candidates = loop.engine.config.candidate_block_sizes
+    if size not in candidates:
+        raise OpenAIError(
+            422,
+            f"block_size {size} is not one of this worker's candidate block sizes "
+            f"{list(candidates)}",
+            param="block_size",
+        )
+    ticket = loop.request_block_size(size)
+    try:
+        result: SwapResult = await asyncio.to_thread(ticket.result, 60.0)
+    except TimeoutError:
+        raise HTTPException(status_code=504, detail="no step boundary within 60 s") from None
+    except Exception as error:  # the commit itself failed; the engine loop recovered
+        raise HTTPException(status_code=500, detail=f"swap failed: {error}") from None
+    log_event(log, "block_size_swap", **result.to_dict())
+    return result.to_dict()
+
+
 def create_worker_app(
     loop: EngineLoop,
     *,
@@ -246,8 +269,7 @@ def create_worker_app(
     pusher: LengthPusher | None = None,
 ) -> FastAPI:
     """The worker's FastAPI app around a started `EngineLoop` serving `model_name`."""
-    app = FastAPI(title="blocktune worker", version="1")
-    app.add_middleware(BodyLimit)
+    app = guarded_app(token=token, title="blocktune worker", version="1")
     _add_error_handlers(app)
     auth = BearerAuth(token)
     served = ServedModel(model_name, tokenizer, loop.engine.max_request_tokens)
@@ -288,23 +310,7 @@ def create_worker_app(
 
     @app.post("/admin/block-size", dependencies=[Depends(auth)])
     async def block_size(body: BlockSizeRequest) -> dict:
-        candidates = loop.engine.config.candidate_block_sizes
-        if body.block_size not in candidates:
-            raise OpenAIError(
-                422,
-                f"block_size {body.block_size} is not one of this worker's candidate block "
-                f"sizes {list(candidates)}",
-                param="block_size",
-            )
-        ticket = loop.request_block_size(body.block_size)
-        try:
-            result: SwapResult = await asyncio.to_thread(ticket.result, 60.0)
-        except TimeoutError:
-            raise HTTPException(status_code=504, detail="no step boundary within 60 s") from None
-        except Exception as error:  # the commit itself failed; the engine loop recovered
-            raise HTTPException(status_code=500, detail=f"swap failed: {error}") from None
-        log_event(log, "block_size_swap", **result.to_dict())
-        return result.to_dict()
+        return await _swap(loop, body.block_size)
 
     # Plain functions, so FastAPI runs them on its thread pool: reading the engine's state
     # waits for the step in progress, which must not stall the event loop.
@@ -332,6 +338,7 @@ def serve_worker(
     port: int,
     token: str | None,
     pusher: LengthPusher | None,
+    server: ServerSettings,
 ) -> None:
     """Start `loop` and serve it with uvicorn until SIGINT/SIGTERM, then stop both threads."""
     loop.start()
@@ -339,7 +346,7 @@ def serve_worker(
         loop, model_name=model_name, tokenizer=tokenizer, token=token, pusher=pusher
     )
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.Server(server_config(app, host=host, port=port, server=server)).run()
     finally:
         loop.stop()
         if pusher is not None:
