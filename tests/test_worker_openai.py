@@ -201,6 +201,7 @@ def test_refusals_are_openai_errors(client, worker):
         ({"prompt": "x", "max_tokens": "16"}, "max_tokens"),
         ({"prompt": "x", "max_tokens": 3.0}, "max_tokens"),
         ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": ["x"] * 65}, "prompt"),
         ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "body"),
     ],

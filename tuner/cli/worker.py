@@ -69,6 +69,13 @@ def run_worker(args: argparse.Namespace) -> int:
     except (InsecureBind, ModelLoadError, ValueError) as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
+    logging.getLogger("blocktune.worker").info(
+        "serving %s: at most %d tokens a request (max_model_len %d, a KV pool of %d tokens)",
+        args.served_model_name or args.model,
+        engine.max_request_tokens,
+        engine.config.max_model_len,
+        engine.kv.num_slots,
+    )
     loop = EngineLoop(engine)
     pusher = None
     if args.sidecar:

@@ -31,8 +31,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pandas as pd
+import torch
 import yaml
 
+from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.loading import TINY_RANDOM, load_pretrained, resolve_source
 from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.traces.synth import Phase, customer_service_day
@@ -215,7 +217,7 @@ def _live_line(
     total = sum(state[f"swaps_{status}"] for status in ("done", "rejected", "rolled_back"))
     new_swaps = state["swap_history"][len(state["swap_history"]) - (total - seen) :]
     recent = workload[(workload.arrival_s > elapsed - 5) & (workload.arrival_s <= elapsed)]
-    median = window["total_tokens"]["median"] if window["count"] else 0.0
+    median = window["total_tokens"]["median"] if window["count"] else None
     swap_text = "-"
     if new_swaps:
         last = new_swaps[-1]
@@ -232,7 +234,8 @@ def _live_line(
         "blocks_used": state["blocks_used"],
     }
     line = (
-        f"{elapsed:6.1f}s  {point['rate_per_s']:5.1f} req/s  window median len {median:5.0f}  "
+        f"{elapsed:6.1f}s  {point['rate_per_s']:5.1f} req/s  "
+        f"window median len {'-' if median is None else f'{median:.0f}':>5}  "
         f"recommend {point['recommended']!s:>4}  block size {state['block_size']:>3}  "
         f"blocks used {state['blocks_used']:>4}  swap {swap_text}"
     )
@@ -253,7 +256,10 @@ class _Services:
 
 def _services(folder: Path, model: str, seed: int, kv_bytes: str, interval_s: float) -> _Services:
     token = secrets.token_urlsafe(24)
-    env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    # One intra-op thread per process: three processes share a small machine, often with
+    # other work, and a second thread waiting for a core slows every matmul several-fold
+    # (42x576x1536 in fp32: 5.5 ms with two threads, 0.9 ms with one, on a loaded 2-core CPU).
+    env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     worker_url = f"http://127.0.0.1:{_free_port()}"
     sidecar_url = f"http://127.0.0.1:{_free_port()}"
     cli = [sys.executable, "-m", "blocktune.tuner.cli"]
@@ -294,12 +300,8 @@ def run_closed_loop(
     with tempfile.TemporaryDirectory(prefix="blocktune-demo-") as folder:
         services = _services(Path(folder), model, seed, kv_bytes, interval_s)
         with contextlib.ExitStack() as stack:
-            # The tiny model gains nothing from more than one intra-op thread, and three
-            # processes sharing a small machine would otherwise oversubscribe its cores.
-            threads = {"OMP_NUM_THREADS": "1"} if model == TINY_RANDOM else {}
             log = services.folder / "worker.log"
-            worker_env = {**services.env, **threads}
-            worker = stack.enter_context(_process(services.worker_args, worker_env, log))
+            worker = stack.enter_context(_process(services.worker_args, services.env, log))
             sidecar = stack.enter_context(
                 _process(services.sidecar_args, services.env, services.folder / "sidecar.log")
             )
@@ -402,17 +404,20 @@ def _print_exchanges(workload: pd.DataFrame, report: ClosedLoopReport, out) -> N
 
 def _verify(workload: pd.DataFrame, report: ClosedLoopReport, loaded, out) -> None:
     """Count the completions identical to an engine that never swaps."""
-    from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
-
     out("verifying every completion against an engine that never swaps ...")
     engine = Engine(
         loaded.model,
         EngineConfig(block_size=DEFAULT_BLOCK_SIZE, kv_bytes=256 * 2**20, max_num_seqs=32),
     )
-    expected = engine.generate(
-        list(workload.prompt_ids),
-        [SamplingParams(max_tokens=int(n)) for n in workload.output_tokens],
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the worker ran (see _services)
+    try:
+        expected = engine.generate(
+            list(workload.prompt_ids),
+            [SamplingParams(max_tokens=int(n)) for n in workload.output_tokens],
+        )
+    finally:
+        torch.set_num_threads(threads)
     for index, output in enumerate(expected):
         if index in report.completions:
             report.verified += 1

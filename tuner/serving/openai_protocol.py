@@ -22,6 +22,7 @@ __all__ = [
 ]
 
 MAX_CHOICES = 16  # the most choices (`n`) one request may ask for
+MAX_PROMPTS = 64  # the most prompts one completion request may list
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limit for /v1/chat/completions
@@ -72,9 +73,16 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     """`POST /v1/completions`: `prompt` as text, texts, token ids or lists of token ids
-    (or blocktune's `prompt_ids`), one completion per prompt and choice."""
+    (at most `MAX_PROMPTS`; or blocktune's `prompt_ids`), one completion per prompt and
+    choice."""
 
-    prompt: str | list[str] | TokenIds | list[TokenIds] | None = None
+    prompt: (
+        str
+        | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)]
+        | None
+    ) = None
     prompt_ids: TokenIds | None = None
     max_tokens: int = Field(16, ge=1)
     echo: bool = False
