@@ -2,13 +2,23 @@
 
 Every `step()`:
 
-1. admits waiting requests, oldest first, while blocks and batch rows are free,
-   and prefills them (each yields its first token);
-2. grows every other running request by its last sampled token; when no block
-   is free, the youngest running request is preempted (its blocks are freed
-   and it is recomputed from its tokens when it is admitted again);
+1. grows every decoding request by its last sampled token; when no block is
+   free, the youngest running request is preempted (its blocks are freed and
+   it is recomputed from its tokens when it is admitted again);
+2. gives the step's remaining token budget (`max_num_batched_tokens` less one
+   token per decode) to prefills, oldest first: the partially prefilled
+   request continues, then waiting requests are admitted while the budget,
+   blocks and batch rows allow. Admission reserves the blocks of the whole
+   context (prompt, plus the generated tokens of a preempted request); each
+   prefill computes a chunk of at most the budget left, and a request yields
+   its first token in the step its last chunk runs;
 3. performs the copy-on-write copies the block manager asked for;
-4. decodes one token for each of those requests with the paged kernel.
+4. computes the decodes and the prefill chunks in one pass over the model
+   (`LlamaModel.forward_step`): one token for each growing request, and the
+   first token of each request whose prefill is complete.
+
+Without `max_num_batched_tokens` the budget is unlimited: every admitted
+prompt is prefilled whole in its admission step.
 
 Finished requests free their blocks at once and are reported to listeners
 (`add_listener`) as `FinishedRequest` records, which is what the tuner's length
@@ -19,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import time
 from collections import deque
@@ -50,6 +61,7 @@ __all__ = [
     "RequestOutput",
     "RequestTooLarge",
     "SamplingParams",
+    "TokenLogprob",
 ]
 
 BACKENDS = ("torch", "triton")
@@ -72,6 +84,10 @@ class EngineConfig:
     Give the pool as `num_blocks` (at `block_size`) or as `kv_bytes`; the pool
     is a fixed number of token slots, so a later block-size change keeps it.
     `max_model_len` defaults to the model's `max_position_embeddings`.
+    `max_num_batched_tokens` bounds the tokens one step computes (decodes and
+    prefill chunks together); None computes every admitted prompt whole. It
+    must cover `max_num_seqs` decodes, and it excludes prefix caching (a
+    preempted partial prefill would leave cached blocks without their K/V).
     """
 
     block_size: int = 16
@@ -79,6 +95,7 @@ class EngineConfig:
     kv_bytes: int | None = None
     max_num_seqs: int = 32
     max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
     attention_backend: str = "torch"
     enable_prefix_caching: bool = False
     candidate_block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)
@@ -91,9 +108,20 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}"
             )
-        for name in ("max_num_seqs", "max_model_len"):
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_num_batched_tokens is not None:
+            if self.max_num_batched_tokens < self.max_num_seqs:
+                raise ValueError(
+                    f"max_num_batched_tokens {self.max_num_batched_tokens} is below "
+                    f"max_num_seqs {self.max_num_seqs}: a step could not decode every row"
+                )
+            if self.enable_prefix_caching:
+                raise ValueError(
+                    "max_num_batched_tokens (chunked prefill) cannot be combined with "
+                    "enable_prefix_caching"
+                )
         bad = [b for b in self.candidate_block_sizes if not is_power_of_two(b)]
         if bad:
             raise ValueError(f"candidate block sizes must be powers of two, got {bad}")
@@ -109,6 +137,8 @@ class SamplingParams:
     """How to pick tokens: greedy at temperature 0, else top-p sampling from a seeded generator.
 
     A request stops at any of `stop_token_ids` and, unless `ignore_eos`, at the model's EOS ids.
+    With `logprobs` set, each output carries the sampled token's log-probability under the
+    model (before temperature and top-p) and the `logprobs` most likely tokens'.
     """
 
     max_tokens: int = 16
@@ -117,17 +147,27 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the most likely tokens at its position."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What a step produced for one request."""
+    """What a step produced for one request (`logprob` of the new token when asked for)."""
 
     request_id: int
     new_token_ids: list[int]
     token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +191,7 @@ class _Request:
     generator: torch.Generator | None
     output: list[int] = field(default_factory=list)
     row: int | None = None
+    prefill_left: int = 0  # tokens of the admitted context whose K/V are not computed yet
 
     @property
     def tokens(self) -> list[int]:
@@ -208,6 +249,7 @@ class Engine:
         self.preemptions = 0
         self.prefix_hit_tokens = 0
         self.steps = 0
+        self.peak_blocks_used = 0  # the most blocks referenced at once during a step
         self._swap_requests: queue.SimpleQueue[SwapTicket] = queue.SimpleQueue()
         # The latest swaps (bounded for a long-running engine) and running totals.
         self.swap_history: deque[SwapResult] = deque(maxlen=SWAP_HISTORY)
@@ -272,6 +314,8 @@ class Engine:
             raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.seed is not None and not 0 <= params.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63), got {params.seed}")
+        if params.logprobs is not None and not 0 <= params.logprobs <= vocab:
+            raise RequestError(f"logprobs must be in [0, {vocab}], got {params.logprobs}")
         stored = self._max_stored_tokens(len(prompt), params)
         needed = -(-stored // self.block_size)
         if needed > self.blocks.num_blocks:
@@ -279,6 +323,12 @@ class Engine:
                 f"the request can hold up to {stored} tokens ({needed} blocks of "
                 f"{self.block_size}) but the pool has only {self.blocks.num_blocks} blocks"
             )
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens, prompt and output together, that one request can reach:
+        `max_model_len`, or fewer when the KV pool is smaller (its last token needs no slot)."""
+        return min(self.config.max_model_len, self.kv.num_slots + 1)
 
     def _max_stored_tokens(self, prompt_tokens: int, params: SamplingParams) -> int:
         """The most tokens a request ever holds KV for (its last token never needs a slot)."""
@@ -322,20 +372,30 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Admit, prefill, grow, copy and decode once; returns each request's new tokens."""
+        """Grow, schedule prefill chunks, copy, prefill and decode once; returns each
+        request's new tokens."""
         self.steps += 1
         self._apply_swaps()
-        already_running = list(self._running)
-        outputs = [self._prefill(r) for r in self._admit()]
-        decoding = self._grow(already_running)
+        decoding = self._grow([r for r in self._running if not r.prefill_left])
+        budget = self.config.max_num_batched_tokens
+        chunks = self._schedule_prefills(math.inf if budget is None else budget - len(decoding))
         self._copy_pending()
-        if decoding:
-            outputs += self._decode(decoding)
-        return outputs
+        used = self.blocks.num_blocks - self.blocks.num_free_blocks
+        self.peak_blocks_used = max(self.peak_blocks_used, used)
+        if not decoding and not chunks:
+            return []
+        return self._forward(decoding, chunks)
 
-    def _admit(self) -> list[_Request]:
-        admitted: list[_Request] = []
-        while self._waiting and self._free_rows:
+    def _schedule_prefills(self, budget: float) -> list[tuple[_Request, int]]:
+        """(request, tokens) prefill chunks within `budget` tokens, oldest first: the
+        partially prefilled request, then admissions while the budget lasts."""
+        chunks: list[tuple[_Request, int]] = []
+        for request in [r for r in self._running if r.prefill_left]:
+            if budget <= 0:
+                return chunks
+            chunks.append((request, min(request.prefill_left, budget)))
+            budget -= chunks[-1][1]
+        while budget > 0 and self._waiting and self._free_rows:
             request = self._waiting[0]
             if self.blocks.allocate(request.id, request.tokens) is None:
                 break
@@ -343,23 +403,12 @@ class Engine:
             request.row = self._free_rows.pop()
             self.table.set_row(request.row, self.blocks.block_ids(request.id))
             self._running.append(request)
-            admitted.append(request)
-        return admitted
-
-    def _prefill(self, request: _Request) -> RequestOutput:
-        tokens = request.tokens
-        start = self.blocks.num_cached_tokens(request.id)
-        self.prefix_hit_tokens += start
-        slots = self.table.slot_mapping(request.row, range(len(tokens)))
-        device = self.model.device
-        logits = self.model.prefill(
-            torch.tensor(tokens[start:], device=device),
-            start,
-            torch.from_numpy(slots).to(device),
-            self.kv,
-            self.config.attention_backend,
-        )
-        return self._accept(request, self._sample(request, logits[None])[0])
+            cached = self.blocks.num_cached_tokens(request.id)
+            self.prefix_hit_tokens += cached
+            request.prefill_left = len(request.tokens) - cached
+            chunks.append((request, min(request.prefill_left, budget)))
+            budget -= chunks[-1][1]
+        return chunks
 
     def _grow(self, candidates: list[_Request]) -> list[_Request]:
         """Reserve a slot for each request's pending token, preempting the youngest if needed."""
@@ -394,27 +443,51 @@ class Engine:
                 backend=self.config.attention_backend,
             )
 
-    def _decode(self, batch: list[_Request]) -> list[RequestOutput]:
+    def _forward(
+        self, decoding: list[_Request], chunks: list[tuple[_Request, int]]
+    ) -> list[RequestOutput]:
+        """Run the step's decodes and prefill chunks through the model; sample the decodes'
+        next tokens and the first token of each request whose last chunk this is."""
         device = self.model.device
         self.table.sync()
-        rows = torch.tensor([r.row for r in batch], device=device)
-        lengths = [self.blocks.num_tokens(r.id) for r in batch]
+        lengths = [self.blocks.num_tokens(r.id) for r in decoding]
+        token_ids = [r.output[-1] for r in decoding]
+        positions = [n - 1 for n in lengths]
         slots = [
             int(self.table.slot_mapping(r.row, [n - 1])[0])
-            for r, n in zip(batch, lengths, strict=True)
+            for r, n in zip(decoding, lengths, strict=True)
         ]
-        logits = self.model.decode(
-            torch.tensor([r.output[-1] for r in batch], device=device),
-            torch.tensor([n - 1 for n in lengths], device=device),
+        contexts, rows, sampled = [], list(range(len(decoding))), list(decoding)
+        for request, num_tokens in chunks:
+            start = len(request.tokens) - request.prefill_left
+            end = start + num_tokens
+            context = self.table.slot_mapping(request.row, range(end))
+            token_ids += request.tokens[start:end]
+            positions += range(start, end)
+            slots += context[start:].tolist()
+            contexts.append((num_tokens, torch.from_numpy(context).to(device)))
+            request.prefill_left -= num_tokens
+            if not request.prefill_left:
+                rows.append(len(token_ids) - 1)
+                sampled.append(request)
+        decode_rows = torch.tensor([r.row for r in decoding], dtype=torch.long, device=device)
+        logits = self.model.forward_step(
+            torch.tensor(token_ids, device=device),
+            torch.tensor(positions, device=device),
             torch.tensor(slots, device=device),
-            self.table.device_table.index_select(0, rows),
-            torch.tensor(lengths, dtype=torch.int32, device=device),
-            self.block_size,
             self.kv,
-            self.config.attention_backend,
+            block_table=self.table.device_table.index_select(0, decode_rows),
+            context_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            block_size=self.block_size,
+            chunks=contexts,
+            logit_rows=torch.tensor(rows, dtype=torch.long, device=device),
+            backend=self.config.attention_backend,
         )
-        tokens = self._sample_batch(batch, logits)
-        return [self._accept(r, t) for r, t in zip(batch, tokens, strict=True)]
+        tokens = self._sample_batch(sampled, logits)
+        return [
+            self._accept(r, t, logits[i])
+            for i, (r, t) in enumerate(zip(sampled, tokens, strict=True))
+        ]
 
     # ------------------------------------------------------------------ block-size swaps
     def _align(self, block_size: int) -> int:
@@ -532,7 +605,7 @@ class Engine:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         return torch.multinomial(probs, 1, generator=request.generator)[:, 0].tolist()
 
-    def _accept(self, request: _Request, token: int) -> RequestOutput:
+    def _accept(self, request: _Request, token: int, logits: torch.Tensor) -> RequestOutput:
         request.output.append(token)
         params = request.params
         reason = None
@@ -546,7 +619,10 @@ class Engine:
             reason = "length"
         if reason is not None:
             self._finish(request, reason)
-        return RequestOutput(request.id, [token], list(request.output), reason is not None, reason)
+        logprob = None if params.logprobs is None else _logprob(logits, token, params.logprobs)
+        return RequestOutput(
+            request.id, [token], list(request.output), reason is not None, reason, logprob
+        )
 
     def _finish(self, request: _Request, reason: str) -> None:
         self._running.remove(request)
@@ -586,7 +662,17 @@ class Engine:
             "preemptions": self.preemptions,
             "prefix_hit_tokens": self.prefix_hit_tokens,
             "steps": self.steps,
+            "peak_blocks_used": self.peak_blocks_used,
             **{f"swaps_{status}": count for status, count in self._swap_counts.items()},
             "swap_bytes_moved": self._swap_bytes_moved,
             "last_swap_pause_s": self.swap_history[-1].pause_s if self.swap_history else 0.0,
         }
+
+
+def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under `logits [vocab]` and the `top` most likely tokens'."""
+    logprobs = logits.float().log_softmax(-1)
+    values, ids = logprobs.topk(top)
+    return TokenLogprob(
+        float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    )

@@ -6,21 +6,22 @@ attention, a SwiGLU MLP and optionally tied embeddings. Parameter names follow
 the Hugging Face Llama checkpoint layout; `blocktune.runtime.loading` reads
 checkpoints into it.
 
-Three ways through the layers:
+Two ways through the layers:
 
 - `forward_dense(token_ids)`: plain causal attention without any cache, the
-  reference the paged paths are tested against;
-- `prefill(...)`: one sequence's new tokens; their K/V are written to their
-  slots, then they attend causally over the whole context (any cached prefix
-  included) read back through the sequence's slots;
-- `decode(...)`: one new token for each of a batch of sequences, attention by
-  the paged kernel through the block table.
+  reference the paged path is tested against;
+- `forward_step(...)`: one engine step in one pass over the weights: one new
+  token for each of a batch of decoding sequences and chunks of new tokens of
+  prefilling ones. Every new token's K/V is written to its slot; a decode
+  token attends through the block table with the paged kernel, a chunk's
+  tokens attend causally over their sequence's whole context (a cached prefix
+  and earlier chunks included) read back through its slots.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -359,59 +360,55 @@ class LlamaModel(nn.Module):
         return self.lm_head(self._run(token_ids, positions, attend)).float()
 
     @torch.inference_mode()
-    def prefill(
-        self,
-        token_ids: torch.Tensor,
-        start: int,
-        context_slots: torch.Tensor,
-        kv: KVCache,
-        backend: str = "torch",
-    ) -> torch.Tensor:
-        """Logits `[vocab]` after one sequence's new tokens at positions `start...`.
-
-        `context_slots [start + T]` are the slots of the whole context in logical
-        order; the first `start` already hold K/V (a cached prefix).
-        """
-        num_new = token_ids.shape[0]
-        positions = torch.arange(start, start + num_new, device=token_ids.device)
-        new_slots = context_slots[start:]
-
-        def attend(layer, q, k, v):
-            write_kv(kv.k[layer], kv.v[layer], k, v, new_slots, backend=backend)
-            keys, values = kv.k[layer][context_slots], kv.v[layer][context_slots]
-            return causal_attention(q, keys, values, self.scale)
-
-        hidden = self._run(token_ids, positions, attend)
-        return self.lm_head(hidden[-1:]).float()[0]
-
-    @torch.inference_mode()
-    def decode(
+    def forward_step(
         self,
         token_ids: torch.Tensor,
         positions: torch.Tensor,
         slots: torch.Tensor,
+        kv: KVCache,
+        *,
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
         block_size: int,
-        kv: KVCache,
+        chunks: Sequence[tuple[int, torch.Tensor]],
+        logit_rows: torch.Tensor,
         backend: str = "torch",
     ) -> torch.Tensor:
-        """Logits `[S, vocab]` for one new token of each of S sequences."""
+        """Logits `[len(logit_rows), vocab]` of the given rows of one step's new tokens.
+
+        `token_ids`, `positions` and `slots` `[D + C]` list the D decode tokens first
+        (`block_table [D, blocks]` and `context_lens [D]` are their sequences'), then
+        each prefill chunk's tokens in order; `chunks` gives per chunk its number of new
+        tokens and the slots of its sequence's whole context up to its last new token.
+        """
+        num_decodes = block_table.shape[0]
 
         def attend(layer, q, k, v):
-            write_kv(kv.k[layer], kv.v[layer], k, v, slots, backend=backend)
-            return paged_attention(
-                q,
-                kv.k[layer],
-                kv.v[layer],
-                block_table,
-                context_lens,
-                block_size=block_size,
-                scale=self.scale,
-                backend=backend,
-            )
+            keys, values = kv.k[layer], kv.v[layer]
+            write_kv(keys, values, k, v, slots, backend=backend)
+            parts = []
+            if num_decodes:
+                parts.append(
+                    paged_attention(
+                        q[:num_decodes],
+                        keys,
+                        values,
+                        block_table,
+                        context_lens,
+                        block_size=block_size,
+                        scale=self.scale,
+                        backend=backend,
+                    )
+                )
+            row = num_decodes
+            for num_new, context in chunks:
+                chunk = q[row : row + num_new]
+                parts.append(causal_attention(chunk, keys[context], values[context], self.scale))
+                row += num_new
+            return torch.cat(parts)
 
-        return self.lm_head(self._run(token_ids, positions, attend)).float()
+        hidden = self._run(token_ids, positions, attend)
+        return self.lm_head(hidden[logit_rows]).float()
 
 
 def load_model(

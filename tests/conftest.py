@@ -1,4 +1,5 @@
-"""Shared fixtures: a real uvicorn server on a free loopback port; a sharded replay."""
+"""Shared fixtures: a real uvicorn server, configured as the services are, on a free port;
+a sharded replay."""
 
 import contextlib
 import socket
@@ -8,6 +9,9 @@ import time
 import pytest
 import uvicorn
 
+from blocktune.tuner.core.policy import ServerSettings
+from blocktune.tuner.serving.http import server_config
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -16,10 +20,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(app):
-    """Serve an ASGI app with uvicorn in a thread; yields its base URL."""
+def serving(app, settings: ServerSettings = ServerSettings()):  # noqa: B008 - frozen
+    """Serve an ASGI app with uvicorn in a thread (the services' configuration with
+    `settings`' connection limits); yields its base URL."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port, server=settings))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -198,3 +198,43 @@ def test_padding_counts_each_sequences_unused_tail_even_with_shared_blocks(model
     engine.step()
     # 17, 18 and 19 tokens in blocks of 8: 7 + 6 + 5 unused slots in the last blocks.
     assert engine.stats()["padding_slots"] == 7 + 6 + 5
+
+
+def test_chunked_prefill_keeps_tokens_within_the_step_budget(model, monkeypatch):
+    prompts = _prompts(10, seed=9, low=30, high=120)
+    expected, _ = _run(model, prompts, max_tokens=16, block_size=8, num_blocks=256)
+    steps = []  # per step: (decodes, prefill chunk sizes)
+    forward_step = model.forward_step
+
+    def counting(token_ids, *args, **kwargs):
+        steps.append((kwargs["block_table"].shape[0], [n for n, _ in kwargs["chunks"]]))
+        assert len(token_ids) == steps[-1][0] + sum(steps[-1][1])
+        return forward_step(token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward_step", counting)
+    config = EngineConfig(block_size=8, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=40)
+    engine = Engine(model, config)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=16))
+    assert [o.token_ids for o in outputs] == expected
+    assert max(decodes + sum(chunks) for decodes, chunks in steps) == 40
+    # Prompts of up to 120 tokens ran in chunks, and chunks shared steps with decodes.
+    assert sum(map(len, prompts)) == sum(sum(chunks) for _, chunks in steps)
+    assert any(decodes and chunks for decodes, chunks in steps)
+    engine.blocks.check()
+
+
+def test_chunked_prefill_survives_preemption_in_a_tiny_pool(model):
+    prompts = _prompts(8, seed=10, low=20, high=50)
+    expected, _ = _run(model, prompts, max_tokens=20, block_size=8)
+    tokens, engine = _run(
+        model, prompts, max_tokens=20, block_size=8, num_blocks=16, max_num_batched_tokens=32
+    )
+    assert engine.preemptions > 0
+    assert tokens == expected
+
+
+def test_chunked_prefill_settings_are_checked():
+    with pytest.raises(ValueError, match="max_num_batched_tokens 16 is below max_num_seqs 32"):
+        EngineConfig(num_blocks=4, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        EngineConfig(num_blocks=4, max_num_batched_tokens=64, enable_prefix_caching=True)

@@ -106,3 +106,15 @@ def test_errors_name_the_problem(capsys, tmp_path, policy_file):
         main(["replay", "--rate-scale", "0"])
     assert exit_info.value.code == 2
     assert "must be a positive number" in capsys.readouterr().err
+
+
+def test_a_span_the_interval_bins_cannot_hold_is_refused(capsys, tmp_path, policy_file):
+    trace = tmp_path / "stray.csv"
+    rows = [f"{1000 + i * 0.5},{40 + i % 7},{10 + i % 5}" for i in range(200)] + ["-1e12,40,10"]
+    trace.write_text("ts,in,out\n" + "\n".join(rows) + "\n")
+    args = ["replay", str(trace), "--time-col", "ts", "--prompt-col", "in", "--output-col", "out"]
+    assert main([*args, "--policy", policy_file]) == 2
+    error = capsys.readouterr().err
+    assert "the last request arrives 1e+12 s into the trace" in error
+    assert "a replay holds at most 1,000,000" in error
+    assert "the widest gap, 1e+12 s, follows the request at 0 s" in error

@@ -1,4 +1,5 @@
-"""notebooks/block_size_analysis.ipynb runs top to bottom on the embedded day (small)."""
+"""notebooks/block_size_analysis.ipynb runs top to bottom on the embedded day (small),
+the fidelity check against the live engine included."""
 
 import json
 import sys
@@ -34,9 +35,10 @@ def test_the_analysis_notebook_executes(tmp_path, monkeypatch):
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) == 5  # histograms, padding curves, timeline, lengths, policies
+    assert len(images) == 6  # histograms, padding curves, timeline, lengths, policies, fidelity
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "embedded customer-service day (rate scale 0.02)" in text
     assert "adaptive_vs_oracle_objective:" in text
+    assert "predicted" in text and "median |error| over block sizes: tok/s" in text
     tables = [o["data"]["text/plain"] for o in outputs if o.output_type == "execute_result"]
     assert any("oracle" in t and "static-16" in t for t in tables)

@@ -1,5 +1,6 @@
 """Actuators: a fake worker over real HTTP (retries, rejected swaps) and an in-process engine."""
 
+import contextlib
 import json
 import socket
 import threading
@@ -40,7 +41,7 @@ def fake_worker(state: dict) -> FastAPI:
         return {
             "status": state["status"],
             "old_block_size": old,
-            "new_block_size": new,
+            "new_block_size": state.get("answer", new),
             "zero_copy_blocks": 12 if state["status"] == "done" else 0,
             "copied_blocks": 0,
             "bytes_moved": 0,
@@ -50,7 +51,7 @@ def fake_worker(state: dict) -> FastAPI:
 
     @app.get("/admin/state")
     async def admin_state():
-        return {"block_size": state["block_size"], "running": 0}
+        return {"block_size": state.get("report", state["block_size"]), "running": 0}
 
     return app
 
@@ -148,6 +149,48 @@ def test_http_actuator_final_and_exhausted_failures(live_server):
     down.close()
 
 
+@pytest.mark.parametrize("answer", [24, 2**70])
+def test_an_answer_of_another_size_than_asked_is_not_trusted(live_server, monkeypatch, answer):
+    monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
+    worker = {"calls": [], "fail": 0, "status": "done", "block_size": 16, "answer": answer}
+    with live_server(fake_worker(worker)) as worker_url:
+        sidecar = Sidecar(enforcing(worker_url))
+        sidecar.push(short_requests(300))
+        decision = sidecar.decide()
+        assert decision is not None and decision.switch and decision.block_size == 8
+        actuation = sidecar.last_actuation
+        assert actuation["status"] == "failed"
+        assert actuation["reason"] == f"the worker reports a swap to {answer}, not to 8"
+        assert sidecar.current_block_size == 16 and sidecar.selector.last_switch is None
+        worker["report"] = answer  # the size in force it reports: no valid block size either
+        assert HttpActuator(worker_url, TOKEN).block_size() is None
+
+
+def test_readiness_follows_the_actuator_and_shows_its_last_swap(live_server, monkeypatch):
+    monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
+    worker = {"calls": [], "fail": 0, "status": "done", "block_size": 16}
+    with contextlib.ExitStack() as stack:
+        worker_url = stack.enter_context(live_server(fake_worker(worker)))
+        sidecar = Sidecar(enforcing(worker_url))
+        with live_server(create_sidecar_app(sidecar)) as url:
+            ready = httpx.get(f"{url}/readyz")
+            assert ready.status_code == 200
+            assert ready.json()["actuator"] == {
+                "target": f"{worker_url}/admin/block-size",
+                "answers": True,
+                "last_swap": None,
+                "last_reason": None,
+            }
+            stack.close()  # the worker goes down
+            httpx.post(f"{url}/v1/observations", json=short_requests(300))
+            assert httpx.post(f"{url}/v1/decide").json()["actuation"]["status"] == "failed"
+            down = httpx.get(f"{url}/readyz")
+            assert down.status_code == 503 and down.json()["ready"] is False
+            actuator = down.json()["actuator"]
+            assert actuator["answers"] is False and actuator["last_swap"] == "failed"
+            assert "ConnectError" in actuator["last_reason"]
+
+
 def test_in_process_engine_swaps_when_the_window_shifts():
     from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
     from blocktune.runtime.model import load_model
@@ -200,6 +243,7 @@ def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
     from blocktune.runtime.engine import Engine, EngineConfig
     from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.model import load_model
+    from blocktune.runtime.tokenizer import Tokenizer
     from blocktune.tuner.serving.worker_app import create_worker_app
 
     monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
@@ -208,7 +252,11 @@ def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
     )
     loop.start()
     try:
-        with live_server(create_worker_app(loop, token=TOKEN)) as worker_url:
+        with live_server(
+            create_worker_app(
+                loop, model_name="tiny-random", tokenizer=Tokenizer.byte_level(), token=TOKEN
+            )
+        ) as worker_url:
             sidecar = Sidecar(enforcing(worker_url))
             with live_server(create_sidecar_app(sidecar)) as url:
                 httpx.post(f"{url}/v1/observations", json=short_requests(300))

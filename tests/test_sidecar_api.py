@@ -145,8 +145,11 @@ def test_token_size_and_validation_errors(live_server):
         assert "nothing was applied" in response.json()["detail"]
         bad_shape = httpx.post(f"{url}/v1/observations", json={"rows": []}, headers=AUTH)
         assert bad_shape.status_code == 422 and "got an object" in bad_shape.json()["detail"]
-        not_json = httpx.post(f"{url}/v1/observations", content=b"[{", headers=AUTH)
-        assert not_json.status_code == 400
+        json_type = {**AUTH, "content-type": "application/json"}
+        not_json = httpx.post(f"{url}/v1/observations", content=b"[{", headers=json_type)
+        assert not_json.status_code == 400 and "not standard JSON" in not_json.json()["detail"]
+        empty = httpx.post(f"{url}/v1/observations", headers=json_type)
+        assert empty.status_code == 400 and "the body is empty" in empty.json()["detail"]
 
         # Nothing of the rejected batches reached the window; each is a push source error.
         assert httpx.get(f"{url}/v1/window").json()["count"] == 0

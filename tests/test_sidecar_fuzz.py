@@ -1,4 +1,4 @@
-"""Fuzzing POST /v1/observations on a real server: no input makes it answer 5xx."""
+"""Fuzzing POST /v1/observations on a real server: no body or header makes it answer 5xx."""
 
 import json
 from pathlib import Path
@@ -19,7 +19,7 @@ scalars = (
     | st.booleans()
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=True, allow_infinity=True)
-    | st.text(max_size=20)
+    | st.text(st.characters(exclude_categories=()), max_size=20)  # lone surrogates too
 )
 json_values = st.recursive(
     scalars,
@@ -38,6 +38,9 @@ bodies = (
     | st.binary(max_size=200)
     | st.just(b"[" * 100_000)  # nesting deeper than the JSON decoder's recursion limit
 )
+content_types = st.sampled_from(["application/json", "application/json; charset=utf-8"])
+refused_types = st.sampled_from(["text/plain", "application/x-www-form-urlencoded", None])
+origins = st.sampled_from([None, "own", "http://evil.example", "null"])
 
 
 def test_no_input_gets_a_server_error(live_server):
@@ -49,13 +52,18 @@ def test_no_input_gets_a_server_error(live_server):
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
         )
-        @given(body=bodies)
-        def post(body: bytes) -> None:
+        @given(body=bodies, content_type=content_types | refused_types, origin=origins)
+        def post(body: bytes, content_type: str | None, origin: str | None) -> None:
             before = len(sidecar.window)
-            response = client.post(
-                "/v1/observations", content=body, headers={"content-type": "application/json"}
-            )
+            headers = {} if content_type is None else {"content-type": content_type}
+            if origin is not None:
+                headers["origin"] = url if origin == "own" else origin
+            response = client.post("/v1/observations", content=body, headers=headers)
             assert response.status_code < 500, (response.status_code, response.text)
+            if origin not in (None, "own"):
+                assert response.status_code == 403
+            elif body and not (content_type or "").startswith("application/json"):
+                assert response.status_code == 415
             if response.status_code == 200:
                 assert len(sidecar.window) == min(1000, before + response.json()["accepted"])
             else:

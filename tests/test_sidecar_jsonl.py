@@ -125,6 +125,35 @@ def test_survives_rotation_and_truncation(tmp_path, settings):
     follower.close()
 
 
+def test_one_hostile_line_costs_only_itself(tmp_path, settings):
+    log = tmp_path / "requests.jsonl"
+    good = [line(10 + i, 5) for i in range(100)]
+    hostile = ['{"usage": ' * 100_000, line(3, 4, finished_at=float("nan")), '"\\ud800"']
+    append(log, *good[:50], *hostile, *good[50:])
+    sink = Received()
+    follower = JsonlLogFollower(settings, sink, base=tmp_path)
+    assert follower.poll() == 100 and follower.bad_lines == 3
+    assert sink.lengths() == [(10 + i, 5) for i in range(100)]
+    assert follower.status.errors == 3
+    follower.close()
+
+
+def test_a_truncation_rewritten_past_the_old_offset_is_read_from_its_start(tmp_path, settings):
+    log = tmp_path / "requests.jsonl"
+    append(log, line(1, 1, finished_at=1.0), line(2, 2, finished_at=2.0))
+    sink = Received()
+    follower = JsonlLogFollower(settings, sink, base=tmp_path)
+    assert follower.poll() == 2
+    # Between two polls: truncated, then more written than had been read before.
+    rewritten = [line(n, n, finished_at=float(n)) for n in range(3, 9)]
+    log.write_text("\n".join(rewritten) + "\n")
+    assert follower.poll() == 6 and follower.truncations == 1
+    assert sink.lengths() == [(n, n) for n in range(1, 9)]
+    append(log, line(9, 9))
+    assert follower.poll() == 1 and follower.truncations == 1
+    follower.close()
+
+
 def test_starts_at_the_end_of_an_existing_log_by_default(tmp_path, settings):
     log = tmp_path / "requests.jsonl"
     append(log, line(1, 1), line(2, 2))

@@ -208,6 +208,24 @@ def test_sidecar_recommends_a_restart_for_vllm(live_server, caplog):
             assert httpx.post(f"{url}/v1/observations", json=[]).status_code == 403
 
 
+@pytest.mark.parametrize("reported", [24, 2**20])
+def test_a_reported_size_that_is_no_block_size_is_counted_and_ignored(live_server, reported):
+    holder = {"text": FakeVllm(block_size=reported).text()}
+    with live_server(serve_exposition(holder)) as vllm_url:
+        settings = VllmMetricsSettings(url=f"{vllm_url}/metrics")
+        sidecar = Sidecar(
+            POLICY.model_copy(update={"sources": Sources(push=False, vllm_metrics=settings)})
+        )
+        SourceRunner.poll(sidecar.sources[0])
+    assert sidecar.current_block_size == 16
+    status = sidecar.statuses["vllm_metrics"].to_dict()
+    assert (
+        status["errors"] == 1
+        and f"block_size {reported} is not a power of two" in (status["last_error"])
+    )
+    sidecar.sources[0].close()
+
+
 def test_an_unreachable_vllm_is_counted_and_not_ready():
     with socket.socket() as sock:  # a port nothing listens on
         sock.bind(("127.0.0.1", 0))

@@ -1,5 +1,7 @@
 """`blocktune trace summary` and `blocktune trace synth`."""
 
+import json
+
 import pandas as pd
 import pytest
 
@@ -82,3 +84,32 @@ def test_synth_rejects_an_unknown_extension_and_bad_scaling(tmp_path, capsys):
     assert main(["trace", "synth", "--out", str(tmp_path / "d.csv"), "--duration", "-1"]) == 2
     assert "duration_s must be a positive" in capsys.readouterr().err
     assert not (tmp_path / "d.csv").exists()
+
+
+def hostile_trace(tmp_path):
+    """200 good JSONL rows, then 50 with 2**62 output tokens, a 2**62 prompt, a 1e308 output
+    and a line nested deeper than the JSON decoder's recursion limit."""
+    rows = [
+        {"arrival_s": i * 0.5, "prompt_tokens": 40 + i % 7, "output_tokens": 10 + i % 5}
+        for i in range(200)
+    ]
+    rows += [{"arrival_s": 1.0, "prompt_tokens": 40, "output_tokens": 2**62}] * 50
+    rows.append({"arrival_s": 2.0, "prompt_tokens": 2**62, "output_tokens": 3})
+    rows.append({"arrival_s": 3.0, "prompt_tokens": 30, "output_tokens": 1e308})
+    path = tmp_path / "hostile.jsonl"
+    path.write_text("\n".join([*map(json.dumps, rows), "[" * 100_000]) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("command", ["recommend", "replay"])
+def test_huge_lengths_and_deep_nesting_are_skipped_and_counted(tmp_path, capsys, command):
+    args = [command, str(hostile_trace(tmp_path)), "--policy", "default", "--json", "-"]
+    assert main(args if command == "replay" else args[:-1]) == 0
+    printed = capsys.readouterr()
+    assert "skipped 53 of 253 rows: malformed_json 1, length_over_limit 52" in printed.err
+    report = json.loads(printed.out)
+    if command == "recommend":
+        assert report["window"]["count"] == 200
+        assert report["switch_cost_s"] >= 0
+    else:
+        assert report["trace"]["replayed"] == 200

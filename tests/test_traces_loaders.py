@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from blocktune.traces.loaders import FORMATS, TraceError, load_trace
-from blocktune.traces.schema import REASONS
+from blocktune.traces.schema import MAX_TOKENS, REASONS
 
 
 def write(tmp_path, name, text):
@@ -82,6 +82,10 @@ BAD_CELLS = [
     ("output", "2.5", "non_integer_length"),
     ("output", "inf", "non_integer_length"),
     ("prompt", "-4", "negative_length"),
+    ("output", "1e308", "length_over_limit"),
+    ("prompt", str(10**26), "length_over_limit"),
+    ("output", str(2**63 - 1), "length_over_limit"),
+    ("prompt", str(MAX_TOKENS + 1), "length_over_limit"),
     ("prompt", "0", "zero_length"),
     ("time", "", "missing_value"),
     ("time", "yesterday", "bad_timestamp"),
@@ -318,6 +322,10 @@ JSON_BAD = [
     (mooncake_line(1, output_length=True), "output_length", "non_integer_length"),
     (mooncake_line(1, input_length=[3]), "input_length", "non_integer_length"),
     (mooncake_line(1, input_length=-2), "input_length", "negative_length"),
+    (mooncake_line(1, input_length=10**26), "input_length", "length_over_limit"),
+    (mooncake_line(1, output_length=2**62), "output_length", "length_over_limit"),
+    ("[" * 100_000, None, "malformed_json"),  # deeper than the JSON decoder's recursion
+    ('{"a": ' * 50_000, None, "malformed_json"),
     (mooncake_line(1, output_length=0), "output_length", "zero_length"),
     (mooncake_line(1, hash_ids=[1, "two"]), "hash_ids", "bad_prefix_hashes"),
     (mooncake_line(1, hash_ids={"a": 1}), "hash_ids", "bad_prefix_hashes"),

@@ -3,11 +3,14 @@
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.core.config_files import ConfigError
+from blocktune.tuner.core import config_files
+from blocktune.tuner.core.config_files import MAX_PROBLEMS, ConfigError
 from blocktune.tuner.core.policy import Policy, load_policy, parse_duration
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
@@ -197,3 +200,79 @@ def test_serving_settings_default_by_engine_and_vllm_refuses_sizes_its_backend_c
     assert vllm.switch_cost_s == 60.0
     batch = Policy.model_validate({**data, "candidates": [16], "batch": {"max_num_seqs": 8}})
     assert (batch.max_num_seqs, batch.max_num_batched_tokens) == (8, 2048)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (GOOD.encode("utf-16"), "not UTF-8 text (byte 0 is 0xff); save it as UTF-8"),
+        (np.random.default_rng(0).bytes(300), "not UTF-8 text"),
+        ((GOOD + "extra: " + "[" * 20_000).encode(), ":10: not valid YAML: "),
+        ((GOOD + "interval: 99999999999999999999d\n").encode(), ":10: interval: durations are at"),
+        ((GOOD + "interval: .inf\n").encode(), ":10: interval: durations are at most 365 days"),
+    ],
+)
+def test_unreadable_text_deep_nesting_and_huge_durations_are_one_problem(
+    tmp_path, content, message
+):
+    path = tmp_path / "policy.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        load_policy(path)
+    assert len(caught.value.problems) == 1 and message in caught.value.problems[0]
+
+
+def test_nesting_too_deep_for_the_python_parser_is_one_problem(tmp_path, monkeypatch):
+    monkeypatch.setattr(config_files, "_Loader", yaml.SafeLoader)  # no libyaml depth limit
+    path = write(tmp_path, GOOD + "extra: " + "[" * 20_000 + "]" * 20_000 + "\n")
+    with pytest.raises(ConfigError) as caught:
+        load_policy(path)
+    assert caught.value.problems == (f"{path}: nested too deeply to read",)
+
+
+def test_a_repeated_key_is_reported_with_both_lines_and_errors_point_at_the_last(tmp_path):
+    path = write(tmp_path, GOOD + "window:\n  capacity: 100\nwindow:\n  capacity: 0\n")
+    with pytest.raises(ConfigError) as caught:
+        load_policy(path)
+    assert caught.value.problems == (
+        f"{path}:12: window: the key appears twice (also at line 10); keep one",
+        f"{path}:13: window.capacity: Input should be greater than 0 (got 0)",
+    )
+
+
+def test_problems_are_capped_and_each_names_its_own_line(tmp_path):
+    path = write(tmp_path, GOOD + "".join(f"unknown_{i}: {i}\n" for i in range(5000)))
+    with pytest.raises(ConfigError) as caught:
+        load_policy(path)
+    problems = caught.value.problems
+    assert len(problems) == MAX_PROBLEMS + 1
+    assert problems[-1] == f"{path}: ... and {5000 - MAX_PROBLEMS} more"
+    for i, problem in enumerate(problems[:-1]):
+        assert problem == f"{path}:{10 + i}: unknown_{i}: Extra inputs are not permitted (got {i})"
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ("window: {capacity: 100000000000}", "window.capacity"),
+        ("kv_budget: 2PiB", "kv_budget"),
+        ("candidates: [8, 1180591620717411303424]", "candidates[1]"),
+        ("safety_factor: .inf", "safety_factor"),
+    ],
+)
+def test_every_size_has_an_upper_bound(tmp_path, extra, key):
+    text = GOOD.replace("kv_budget: 40GiB\n", "") if extra.startswith("kv_budget") else GOOD
+    with pytest.raises(ConfigError) as caught:
+        load_policy(write(tmp_path, text + extra + "\n"))
+    assert [p.split(": ")[1] for p in caught.value.problems] == [key]
+    assert "less than or equal to" in caught.value.problems[0]
+
+
+def test_model_shape_sizes_have_upper_bounds(tmp_path):
+    text = GOOD.replace("head_dim: 128", "head_dim: 1000000000").replace("8.03e9", "1e300")
+    with pytest.raises(ConfigError) as caught:
+        load_policy(write(tmp_path, text))
+    assert [p.split(": ")[1] for p in caught.value.problems] == [
+        "model.head_dim",
+        "model.num_params",
+    ]

@@ -17,7 +17,7 @@ import pandas as pd
 
 from blocktune.traces.formats import FormatSpec
 from blocktune.traces.readers import Chunk
-from blocktune.traces.schema import NOT_ERRORS, REASONS, TraceError
+from blocktune.traces.schema import MAX_TOKENS, NOT_ERRORS, REASONS, TraceError
 
 __all__ = ["FIRST_LINES_KEPT", "RowChecker", "SkipTally", "parse_hashes"]
 
@@ -113,6 +113,8 @@ class RowChecker:
             checks.append(_Check("non_integer_length", column, ~whole))
         for column, values in lengths.items():
             checks.append(_Check("negative_length", column, values < 0))
+        for column, values in lengths.items():
+            checks.append(_Check("length_over_limit", column, values > MAX_TOKENS))
         if spec.failed_when_output_zero:
             checks.append(_Check("failed_request", spec.output_col, lengths[spec.output_col] == 0))
         for column, values in lengths.items():

@@ -137,8 +137,8 @@ def _json_chunk(values: dict[str, list], lines: list[int], malformed: list[bool]
 
 
 def _parse_json_line(line: bytes) -> object:
-    """The JSON value on `line`, or None when it is not valid JSON."""
+    """The JSON value on `line`, or None when it is not valid JSON (or nested too deeply)."""
     try:
         return json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None

@@ -4,7 +4,7 @@ Columns, one row per request, sorted by arrival:
 
 - ``arrival_s`` (float64): seconds from the start of the trace (the first
   request of a loaded trace arrives at 0);
-- ``prompt_tokens``, ``output_tokens`` (int64, >= 1);
+- ``prompt_tokens``, ``output_tokens`` (int64, 1 to `MAX_TOKENS`);
 - optional ``prefix_group`` (str or None): requests of one group start with
   the same prefix;
 - optional ``prefix_hashes`` (list of ints): one hash per `PREFIX_BLOCK_TOKENS`
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 __all__ = [
     "CANONICAL_COLUMNS",
+    "MAX_TOKENS",
     "NOT_ERRORS",
     "PREFIX_BLOCK_TOKENS",
     "PREFIX_COLUMNS",
@@ -29,6 +30,10 @@ __all__ = [
 CANONICAL_COLUMNS = ("arrival_s", "prompt_tokens", "output_tokens")
 PREFIX_COLUMNS = ("prefix_group", "prefix_hashes")
 
+MAX_TOKENS = 1 << 24
+"""The longest prompt or output any blocktune input accepts (16.7M tokens, longer than any
+context): every trace loader skips a longer row, the sidecar refuses a longer observation."""
+
 PREFIX_BLOCK_TOKENS = 256
 """Prompt tokens per entry of ``prefix_hashes`` (Mooncake's 512-token hashes are split in two)."""
 
@@ -38,6 +43,7 @@ REASONS = {
     "bad_timestamp": "unparsable timestamp",
     "non_integer_length": "length is not a whole number",
     "negative_length": "negative length",
+    "length_over_limit": f"length over {MAX_TOKENS:,} tokens",
     "failed_request": "failed request (0 response tokens)",
     "zero_length": "zero length",
     "bad_prefix_hashes": "prefix hashes are not a list of integers",

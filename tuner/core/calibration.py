@@ -14,6 +14,12 @@ block copy moves per second, for swap costs). ``provenance`` says where the
 numbers come from: a measurement (device, torch and triton versions, date,
 grid) or an analytic model with its sources cited.
 
+An optional ``engine`` section (`blocktune calibrate --engine`) holds whole
+engine steps of one model timed on the device and fitted per block size B to
+the simulator's step form (`STEP_FORM`), with the model's shape, its own
+provenance and the fit's residuals. Where it is present the simulator prices
+steps with it instead of deriving them from the kernel coefficients.
+
 `default_calibration()` prefers the newest measured file bundled in
 ``tuner/core/data`` and falls back to the analytic model there.
 """
@@ -29,12 +35,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from blocktune.tuner.core.config_files import ConfigError, load_yaml_model
-from blocktune.tuner.core.policy import DTYPE_BYTES, Policy
+from blocktune.tuner.core.policy import DTYPE_BYTES, ModelShape, Policy
 
 __all__ = [
     "ANALYTIC_FILE",
+    "STEP_FORM",
     "Calibration",
     "CalibrationError",
+    "EngineCalibration",
+    "EngineModel",
+    "FitResiduals",
+    "StepCoefficients",
     "calibration_for",
     "KernelCoefficients",
     "KernelShape",
@@ -46,6 +57,12 @@ __all__ = [
 ]
 
 ANALYTIC_FILE = "analytic_default.yaml"
+STEP_FORM = (
+    "step_s = fixed_s + per_block_s * sum_j ceil(ctx_j / B) + per_token_s * sum_j ctx_j "
+    "+ per_sequence_s * n + prefill_s_per_token * prefill_tokens"
+)
+"""The engine step time fitted per block size B: n requests in the step, ctx_j the tokens
+request j holds, prefill_tokens the prompt tokens the step computes."""
 
 
 class CalibrationError(ValueError):
@@ -104,6 +121,78 @@ class KernelCoefficients(_Frozen):
     per_token_s: float = Field(ge=0)
 
 
+class EngineModel(_Frozen):
+    """The model whose engine steps were timed: its name and shape."""
+
+    name: str = Field(min_length=1)
+    num_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
+    intermediate_size: int = Field(gt=0)
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    dtype: Literal["float32", "float16", "bfloat16"]
+
+    def differences(self, shape: ModelShape) -> list[str]:
+        """The attention-shape fields in which a policy's model differs from this one."""
+        return [
+            f"{name} {getattr(shape, name)} (measured: {getattr(self, name)})"
+            for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "dtype")
+            if getattr(shape, name) != getattr(self, name)
+        ]
+
+
+class StepCoefficients(_Frozen):
+    """One engine step's time at one block size, the terms of `STEP_FORM` [s]."""
+
+    fixed_s: float = Field(ge=0)
+    per_block_s: float = Field(ge=0)
+    per_token_s: float = Field(ge=0)
+    per_sequence_s: float = Field(ge=0)
+    prefill_s_per_token: float = Field(ge=0)
+
+
+class FitResiduals(_Frozen):
+    """How well `STEP_FORM` fits the timed steps of one block size: relative residuals
+    (predicted / measured - 1) over `points` grid points."""
+
+    points: int = Field(gt=0)
+    rms_relative: float = Field(ge=0)
+    max_relative: float = Field(ge=0)
+
+
+class EngineCalibration(_Frozen):
+    """Engine steps of one model timed on a device, fitted per block size (`STEP_FORM`)."""
+
+    provenance: Provenance
+    model: EngineModel
+    threads: int = Field(gt=0, description="torch intra-op threads the steps were timed with")
+    clock: Literal["wall", "cpu"] = Field(
+        default="wall", description="wall time, or the timing thread's CPU time (one thread)"
+    )
+    steps: dict[int, StepCoefficients] = Field(min_length=1)
+    residuals: dict[int, FitResiduals] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _residuals_per_block_size(self) -> EngineCalibration:
+        if set(self.steps) != set(self.residuals):
+            raise ValueError(
+                f"steps cover block sizes {sorted(self.steps)} but residuals cover "
+                f"{sorted(self.residuals)}; both must list the same ones"
+            )
+        return self
+
+    def require_model(self, shape: ModelShape) -> None:
+        """Raise `CalibrationError` unless `shape` is the model these steps were timed on."""
+        differences = self.model.differences(shape)
+        if differences:
+            raise CalibrationError(
+                f"the engine calibration was measured with {self.model.name}, but the "
+                f"policy's model differs: {', '.join(differences)}"
+            )
+
+
 class Calibration(_Frozen):
     """Measured or analytic costs per block size, with provenance."""
 
@@ -114,6 +203,7 @@ class Calibration(_Frozen):
     copy_bandwidth_bytes_per_s: float = Field(gt=0)
     kernel: dict[int, KernelCoefficients] = Field(min_length=1)
     host_s_per_token: dict[int, float] = Field(min_length=1)
+    engine: EngineCalibration | None = None
 
     @model_validator(mode="after")
     def _same_block_sizes(self) -> Calibration:
@@ -122,17 +212,24 @@ class Calibration(_Frozen):
                 f"kernel covers block sizes {sorted(self.kernel)} but host_s_per_token covers "
                 f"{sorted(self.host_s_per_token)}; both must list the same ones"
             )
+        if self.engine is not None and not set(self.engine.steps) <= set(self.kernel):
+            raise ValueError(
+                f"engine.steps covers block sizes {sorted(self.engine.steps)}, not all among "
+                f"the kernel's {sorted(self.kernel)}"
+            )
         if min(self.host_s_per_token.values()) < 0:
             raise ValueError("host_s_per_token values must be >= 0")
         return self
 
     @property
     def block_sizes(self) -> tuple[int, ...]:
-        return tuple(sorted(self.kernel))
+        """The block sizes every section covers (the engine steps too, where measured)."""
+        sizes = set(self.kernel) if self.engine is None else set(self.engine.steps)
+        return tuple(sorted(sizes))
 
     def require(self, block_sizes: tuple[int, ...] | list[int]) -> None:
         """Raise `CalibrationError` unless every block size in `block_sizes` is calibrated."""
-        missing = sorted(set(block_sizes) - set(self.kernel))
+        missing = sorted(set(block_sizes) - set(self.block_sizes))
         if missing:
             raise CalibrationError(
                 f"calibration for {self.provenance.device} ({self.provenance.kind}) has no "
@@ -152,17 +249,27 @@ class Calibration(_Frozen):
             per_token_s=c.per_token_s * scale,
         )
 
+    def with_engine(self, engine: EngineCalibration) -> Calibration:
+        """This calibration with `engine` as its engine section (validated)."""
+        return Calibration.model_validate({**dict(self), "engine": engine})
+
     def to_yaml(self) -> str:
         """The calibration as YAML that `load_calibration` reads back unchanged."""
         data = self.model_dump(mode="json", exclude_none=True)
-        for key in ("kernel", "host_s_per_token"):
-            data[key] = {int(b): value for b, value in data[key].items()}
+        sections = [(data, "kernel"), (data, "host_s_per_token")]
+        if "engine" in data:
+            sections += [(data["engine"], "steps"), (data["engine"], "residuals")]
+        for parent, key in sections:
+            parent[key] = {int(b): value for b, value in parent[key].items()}
         return yaml.safe_dump(data, sort_keys=False)
 
     def describe(self) -> str:
-        """One line: device, kind and date."""
+        """One line: device, kind and date, and the engine steps' model where measured."""
         p = self.provenance
-        return f"{p.kind} calibration, {p.device}, {p.date:%Y-%m-%d}"
+        text = f"{p.kind} calibration, {p.device}, {p.date:%Y-%m-%d}"
+        if self.engine is not None:
+            text += f", engine steps measured with {self.engine.model.name}"
+        return text
 
 
 def load_calibration(path: Path | str) -> Calibration:

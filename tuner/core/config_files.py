@@ -1,9 +1,13 @@
 """Load a YAML file into a frozen pydantic model, reporting every problem at once.
 
-`yaml.safe_load` reads the file, the model validates it (unknown keys are the
-model's business: ours forbid them), and each pydantic error becomes one line
-``FILE:LINE: key.path: message (got VALUE)``. The line comes from the YAML node
-tree, so a problem points at the key the user has to fix.
+The file must be UTF-8 text. YAML is parsed once into its node tree (which
+knows each key's line) and built from it with the safe loader's types; a key
+that appears twice in one mapping is a problem naming both lines, since the
+last one would silently win. The model validates the data (unknown keys are
+the model's business: ours forbid them), and each pydantic error becomes one
+line ``FILE:LINE: key.path: message (got VALUE)`` pointing at the key the user
+has to fix. At most `MAX_PROBLEMS` lines are listed, then ``... and N more``,
+and the work is linear in the size of the file.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["ConfigError", "error_message", "format_location", "load_yaml_model"]
+__all__ = ["MAX_PROBLEMS", "ConfigError", "error_message", "format_location", "load_yaml_model"]
 
 M = TypeVar("M", bound=BaseModel)
+MAX_PROBLEMS = 20
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class ConfigError(ValueError):
@@ -40,29 +46,51 @@ def format_location(loc: Sequence[str | int]) -> str:
     return text or "(top level)"
 
 
-def _line_of(node: yaml.Node | None, loc: Sequence[str | int]) -> int | None:
-    """The 1-based line of the deepest key (or list item) of `loc` present in the YAML tree."""
-    line = None if node is None else node.start_mark.line + 1
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            found = [(k, v) for k, v in node.value if str(k.value) == str(part)]
-            if not found:
+class _NodeTree:
+    """The YAML node tree of one file: the keys of every mapping (a repeated key's last
+    occurrence, as in the loaded data) and the keys that repeat."""
+
+    def __init__(self, root: yaml.Node) -> None:
+        self.root = root
+        self._keys: dict[int, dict[str, tuple[yaml.Node, yaml.Node]]] = {}
+        self.repeats: list[tuple[list[str | int], yaml.Node, yaml.Node]] = []
+        seen: set[int] = set()
+        stack: list[tuple[yaml.Node, list[str | int]]] = [(root, [])]
+        while stack:  # no recursion: nesting depth is bounded only by the parser
+            node, loc = stack.pop()
+            if id(node) in seen:  # an alias: walked where its anchor is
+                continue
+            seen.add(id(node))
+            if isinstance(node, yaml.MappingNode):
+                keys = self._keys[id(node)] = {}
+                for key, value in node.value:
+                    name = str(key.value)
+                    if name in keys:
+                        self.repeats.append(([*loc, name], keys[name][0], key))
+                    keys[name] = (key, value)
+                    stack.append((value, [*loc, name]))
+            elif isinstance(node, yaml.SequenceNode):
+                stack.extend((item, [*loc, i]) for i, item in enumerate(node.value))
+
+    def line_of(self, loc: Sequence[str | int]) -> int:
+        """The 1-based line of the deepest key (or list item) of `loc` present in the tree."""
+        node = self.root
+        line = node.start_mark.line + 1
+        for part in loc:
+            if isinstance(node, yaml.MappingNode) and str(part) in self._keys[id(node)]:
+                key, node = self._keys[id(node)][str(part)]
+                line = key.start_mark.line + 1
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
+                if not 0 <= part < len(node.value):
+                    break
+                node = node.value[part]
+                line = node.start_mark.line + 1
+            else:
                 break
-            key, node = found[0]
-            line = key.start_mark.line + 1
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int):
-            if not 0 <= part < len(node.value):
-                break
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line
+        return line
 
 
 def error_message(error: dict[str, Any]) -> str:
-    """The message of one pydantic error (an entry of `ValidationError.errors()`), naming
-    the value it got unless the message already does."""
     value_error = error["type"] == "value_error"
     message = str(error["ctx"]["error"]) if value_error else error["msg"]
     value = error.get("input")
@@ -73,34 +101,67 @@ def error_message(error: dict[str, Any]) -> str:
     return message
 
 
-def load_yaml_model(path: Path | str, model: type[M], *, context: dict | None = None) -> M:
-    """Read `path` with `yaml.safe_load` and validate it as `model`; raise `ConfigError`.
-
-    `context` reaches the model's validators as pydantic's validation context
-    (for example the folder that relative paths in the file start at).
-    """
-    path = Path(path)
+def _read_text(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(path, [f"{path}: cannot read the file: {exc.strerror}"]) from None
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        byte = f"byte {exc.start} is {data[exc.start]:#04x}"
+        raise ConfigError(path, [f"{path}: not UTF-8 text ({byte}); save it as UTF-8"]) from None
+
+
+def _parse(path: Path, text: str) -> tuple[yaml.Node | None, object]:
+    """The node tree and the data built from it (None for an empty file)."""
+    loader = _Loader(text)
+    try:
+        root = loader.get_single_node()
+        return root, None if root is None else loader.construct_document(root)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(path, [f"{where}: not valid YAML: {problem}"]) from None
+    except RecursionError:
+        raise ConfigError(path, [f"{path}: nested too deeply to read"]) from None
+    finally:
+        loader.dispose()
+
+
+def _capped(path: Path, problems: list[str], total: int) -> list[str]:
+    if total <= MAX_PROBLEMS:
+        return problems
+    return [*problems[:MAX_PROBLEMS], f"{path}: ... and {total - MAX_PROBLEMS} more"]
+
+
+def load_yaml_model(path: Path | str, model: type[M], *, context: dict | None = None) -> M:
+    """Read `path` (UTF-8 YAML) and validate it as `model`; raise `ConfigError`.
+
+    `context` reaches the model's validators as pydantic's validation context
+    (for example the folder that relative paths in the file start at).
+    """
+    path = Path(path)
+    root, data = _parse(path, _read_text(path))
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a {type(data).__name__}"
         raise ConfigError(path, [f"{path}:1: expected a mapping of keys at the top, got {kind}"])
+    tree = _NodeTree(root)
+    problems = [
+        f"{path}:{repeat.start_mark.line + 1}: {format_location(loc)}: the key appears twice "
+        f"(also at line {first.start_mark.line + 1}); keep one"
+        for loc, first, repeat in tree.repeats[:MAX_PROBLEMS]
+    ]
+    total = len(tree.repeats)
     try:
-        return model.model_validate(data, context=context)
+        result = model.model_validate(data, context=context)
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            line = _line_of(root, error["loc"])
-            where = f"{path}:{line}" if line is not None else str(path)
-            problems.append(f"{where}: {format_location(error['loc'])}: {error_message(error)}")
-        raise ConfigError(path, problems) from None
+        total += exc.error_count()
+        for error in exc.errors()[: max(0, MAX_PROBLEMS + 1 - len(problems))]:
+            line = tree.line_of(error["loc"])
+            where = f"{path}:{line}: {format_location(error['loc'])}"
+            problems.append(f"{where}: {error_message(error)}")
+    if problems:
+        raise ConfigError(path, _capped(path, problems, total))
+    return result

@@ -69,23 +69,44 @@ class ServingMetrics:
 
     @classmethod
     def of(cls, run: Run, workload: Workload) -> ServingMetrics:
-        """The metrics of `run`, a simulation of `workload` (TPOT over requests of 2+ tokens)."""
+        """The metrics of `run`, a simulation of `workload`."""
+        return cls.of_times(
+            workload,
+            run.first_token_s,
+            run.finish_s,
+            run.generated,
+            peak_kv_bytes=int(run.peak_kv_bytes),
+            preemptions=int(run.preemptions),
+        )
+
+    @classmethod
+    def of_times(
+        cls,
+        workload: Workload,
+        first_token_s: np.ndarray,
+        finish_s: np.ndarray,
+        generated: np.ndarray,
+        *,
+        peak_kv_bytes: int = 0,
+        preemptions: int = 0,
+    ) -> ServingMetrics:
+        """The metrics of a served workload, simulated or live, from its per-row first-token
+        and finish times and generated tokens (TPOT over requests of 2+ tokens)."""
         arrival, outputs = workload.arrival_s, workload.output_tokens
-        ttft = run.first_token_s - arrival
         later = outputs > 1
-        tpot = (run.finish_s[later] - run.first_token_s[later]) / (outputs[later] - 1)
-        span = run.end_s - float(arrival[0])
+        tpot = (finish_s[later] - first_token_s[later]) / (outputs[later] - 1)
+        span = float(np.max(finish_s)) - float(arrival[0])
         tpot_p50, tpot_p99 = np.percentile(tpot, [50, 99]) if len(tpot) else (np.nan, np.nan)
-        ttft_p50, ttft_p99 = np.percentile(ttft, [50, 99])
+        ttft_p50, ttft_p99 = np.percentile(first_token_s - arrival, [50, 99])
         return cls(
-            tokens_per_s=float(run.generated.sum()) / span if span > 0 else math.nan,
+            tokens_per_s=float(generated.sum()) / span if span > 0 else math.nan,
             ttft_p50_s=float(ttft_p50),
             ttft_p99_s=float(ttft_p99),
             tpot_p50_s=float(tpot_p50),
             tpot_p99_s=float(tpot_p99),
-            e2e_p99_s=float(np.percentile(run.finish_s - arrival, 99)),
-            peak_kv_bytes=int(run.peak_kv_bytes),
-            preemptions=int(run.preemptions),
+            e2e_p99_s=float(np.percentile(finish_s - arrival, 99)),
+            peak_kv_bytes=peak_kv_bytes,
+            preemptions=preemptions,
         )
 
     def meets(self, slo: SloSettings) -> bool:

@@ -34,7 +34,7 @@ from blocktune.tuner.core.calibration import (
 )
 from blocktune.tuner.core.policy import DTYPE_BYTES
 
-__all__ = ["Grid", "default_grid", "measure_calibration", "measure_host"]
+__all__ = ["Grid", "default_grid", "measure_calibration", "measure_host", "measured_provenance"]
 
 
 @dataclass(frozen=True)
@@ -231,12 +231,37 @@ def _device_name(device: str) -> str:
     return f"CPU {platform.processor() or platform.machine()} ({platform.system()})"
 
 
+def measured_provenance(device: str, backend: str, grid: object, notes: str) -> Provenance:
+    """The provenance of a measurement made now on `device`: its name, the torch and triton
+    versions, the date and `grid` (a dataclass) as the record of what was measured."""
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    grid_record = {
+        key: list(value) if isinstance(value, tuple) else value
+        for key, value in asdict(grid).items()
+    }
+    return Provenance(
+        kind="measured",
+        device=_device_name(device),
+        date=datetime.now(timezone.utc).replace(microsecond=0),
+        torch=torch.__version__,
+        triton=triton_version,
+        backend=backend,
+        grid=grid_record,
+        notes=notes,
+    )
+
+
 def measure_calibration(
     grid: Grid, device: str, *, progress: Callable[[str], None] = lambda _: None
 ) -> Calibration:
     """Run every measurement on `device` ("cuda": Triton kernels, "cpu": torch ones)."""
-    import torch
-
     backend = "triton" if device == "cuda" else "torch"
     progress(f"kernel: {len(grid.block_sizes)} block sizes x {len(grid.context_lens)} contexts")
     kernel = measure_kernel(grid, device, backend)
@@ -249,29 +274,13 @@ def measure_calibration(
     copy = measure_copy_bandwidth(grid, device, backend)
     read = measure_read_bandwidth(grid, device)
     flops = measure_matmul_flops(grid, device)
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    grid_record = {
-        key: list(value) if isinstance(value, tuple) else value
-        for key, value in asdict(grid).items()
-    }
     return Calibration(
-        provenance=Provenance(
-            kind="measured",
-            device=_device_name(device),
-            date=datetime.now(timezone.utc).replace(microsecond=0),
-            torch=torch.__version__,
-            triton=triton_version,
-            backend=backend,
-            grid=grid_record,
-            notes=(
-                "measured by `blocktune calibrate`; per_block_s is fitted jointly across "
-                "block sizes, launch_s and per_token_s per block size"
-            ),
+        provenance=measured_provenance(
+            device,
+            backend,
+            grid,
+            "measured by `blocktune calibrate`; per_block_s is fitted jointly across "
+            "block sizes, launch_s and per_token_s per block size",
         ),
         kernel_shape=KernelShape(
             num_kv_heads=grid.num_kv_heads, head_dim=grid.head_dim, dtype=grid.dtype

@@ -29,7 +29,8 @@ Example::
       vllm_metrics: {url: "http://127.0.0.1:8000/metrics", interval: 15s}
       jsonl_log: {path: requests.jsonl, prompt_field: usage.prompt_tokens,
                   output_field: usage.completion_tokens}
-    server: {host: 127.0.0.1, port: 8787, state_file: blocktune-state.json}
+    server: {host: 127.0.0.1, port: 8787, state_file: blocktune-state.json,
+             read_timeout: 10s, keep_alive: 5s, max_connections: 512}
     auth: {token_env: BLOCKTUNE_TOKEN}      # bearer token of the mutating endpoints
     actuator: {kind: none}    # or {kind: http, url: "http://127.0.0.1:8000"}: a worker
 """
@@ -65,9 +66,11 @@ from blocktune.tuner.core.defaults import (
 
 __all__ = [
     "DTYPE_BYTES",
+    "MAX_BLOCK_SIZE",
     "ActuatorSettings",
     "AuthSettings",
     "BatchSettings",
+    "BlockSize",
     "JsonlLogSettings",
     "ModelShape",
     "Policy",
@@ -87,17 +90,21 @@ __all__ = [
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+# Upper bounds: larger values are mistakes, and some would exhaust memory or overflow.
+MAX_DURATION = timedelta(days=365)
+MAX_BLOCK_SIZE = 1 << 16
+MAX_KV_BUDGET = 1 << 50  # 1 PiB
+MAX_WINDOW_CAPACITY = 1_000_000  # rows of the length window, allocated at start
 
 
 def parse_duration(value: object) -> object:
-    """'5m', '30s', '1h30m', '250ms' or a number of seconds -> `timedelta`.
-
-    Anything else is passed on unchanged for pydantic to reject.
+    """'5m', '30s', '1h30m', '250ms' or a number of seconds -> `timedelta` (at most
+    `MAX_DURATION`). Anything else is passed on unchanged for pydantic to reject.
     """
     if isinstance(value, bool):
         return value
     if isinstance(value, int | float):
-        return timedelta(seconds=value)
+        return _duration(value, value)
     if not isinstance(value, str):
         return value
     text = value.strip().lower()
@@ -106,7 +113,13 @@ def parse_duration(value: object) -> object:
         raise ValueError(
             f"expected a duration such as '30s', '5m', '1h30m' or '250ms', got {value!r}"
         )
-    return timedelta(seconds=sum(float(p.group(1)) * _UNIT_SECONDS[p.group(2)] for p in parts))
+    return _duration(sum(float(p.group(1)) * _UNIT_SECONDS[p.group(2)] for p in parts), value)
+
+
+def _duration(seconds: float, given: object) -> timedelta:
+    if not abs(seconds) <= MAX_DURATION.total_seconds():  # NaN and infinities fail too
+        raise ValueError(f"durations are at most {MAX_DURATION.days} days, got {given!r}")
+    return timedelta(seconds=seconds)
 
 
 def _positive_duration(value: timedelta) -> timedelta:
@@ -152,7 +165,7 @@ Duration = Annotated[timedelta, BeforeValidator(parse_duration), AfterValidator(
 DwellDuration = Annotated[
     timedelta, BeforeValidator(parse_duration), AfterValidator(_non_negative_duration)
 ]
-BlockSize = Annotated[int, Field(strict=True), AfterValidator(_power_of_two)]
+BlockSize = Annotated[int, Field(strict=True, le=MAX_BLOCK_SIZE), AfterValidator(_power_of_two)]
 HttpUrl = Annotated[str, AfterValidator(_http_url)]
 FieldPath = Annotated[str, AfterValidator(_field_path)]
 
@@ -166,12 +179,16 @@ class Section(BaseModel):
 class ModelShape(Section):
     """The served model: attention shape, KV dtype and weight count."""
 
-    num_layers: int = Field(gt=0)
-    num_heads: int = Field(gt=0, description="query heads")
-    num_kv_heads: int = Field(gt=0, description="K/V heads (fewer than num_heads with GQA)")
-    head_dim: int = Field(gt=0)
+    num_layers: int = Field(gt=0, le=4096)
+    num_heads: int = Field(gt=0, le=4096, description="query heads")
+    num_kv_heads: int = Field(
+        gt=0, le=4096, description="K/V heads (fewer than num_heads with GQA)"
+    )
+    head_dim: int = Field(gt=0, le=4096)
     dtype: Literal["float32", "float16", "bfloat16", "float8"]
-    num_params: float = Field(gt=0, description="weights, for the per-step weight read time")
+    num_params: float = Field(
+        gt=0, le=1e15, description="weights, for the per-step weight read time"
+    )
 
     @model_validator(mode="after")
     def _gqa_groups(self) -> ModelShape:
@@ -204,7 +221,7 @@ class ModelShape(Section):
 class WindowSettings(Section):
     """How many finished requests the length window keeps and how many a decision needs."""
 
-    capacity: int = Field(default=1000, gt=0)
+    capacity: int = Field(default=1000, gt=0, le=MAX_WINDOW_CAPACITY)
     min_samples: int = Field(default=100, gt=0)
 
     @model_validator(mode="after")
@@ -260,7 +277,8 @@ class Sources(Section):
 
 
 class ServerSettings(Section):
-    """Where `blocktune serve` listens, where it keeps its state, and the starting size."""
+    """Where `blocktune serve` listens, where it keeps its state, and the starting size;
+    the connection limits hold for `blocktune worker --policy` too."""
 
     host: str = Field(default="127.0.0.1", min_length=1)
     port: int = Field(default=8787, ge=1, le=65535)
@@ -271,6 +289,17 @@ class ServerSettings(Section):
             "block size assumed in force until a source, the worker or the state file "
             f"reports one (default: {DEFAULT_BLOCK_SIZE}, or the candidate nearest to it)"
         ),
+    )
+    read_timeout: Duration = Field(
+        default=timedelta(seconds=10),
+        description="a connection not delivering a whole request (head and body) this long "
+        "after it opened or after its last answer is closed",
+    )
+    keep_alive: Duration = Field(
+        default=timedelta(seconds=5), description="an idle connection is closed after this"
+    )
+    max_connections: int = Field(
+        default=512, ge=1, le=65535, description="connections beyond this many are closed at once"
     )
 
 
@@ -334,9 +363,9 @@ class BatchSettings(Section):
 class Policy(Section):
     """One deployment's tuning policy (see the module docstring for the file format)."""
 
-    deployment: str = Field(min_length=1)
+    deployment: str = Field(min_length=1, max_length=200)
     model: ModelShape
-    kv_budget: Annotated[ByteSize, Field(gt=0)]
+    kv_budget: Annotated[ByteSize, Field(gt=0, le=MAX_KV_BUDGET)]
     candidates: Annotated[
         tuple[BlockSize, ...], Field(min_length=1), AfterValidator(_distinct_sorted)
     ] = DEFAULT_CANDIDATES

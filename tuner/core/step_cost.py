@@ -14,6 +14,10 @@ with W the weight bytes, N the parameters, bw the memory bandwidth and flops
 the matmul throughput of the calibration, ctx_j the tokens request j holds, n
 the running requests. The pool holds `CostModel.capacity_slots(B)` token slots
 in whole blocks, as the engine sizes it from the KV budget.
+
+A calibration with an engine section (`blocktune calibrate --engine`) has
+these five coefficients measured: whole engine steps of the policy's model
+timed on the device and fitted per block size. They replace the derived ones.
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ class StepCostModel:
     def __post_init__(self) -> None:
         if self.fixed_step_s is not None and not self.fixed_step_s > 0:
             raise ValueError(f"fixed_step_s must be a positive number, got {self.fixed_step_s}")
+        if self.calibration.engine is not None:
+            self.calibration.engine.require_model(self.policy.model)
 
     @cached_property
     def cost_model(self) -> CostModel:
@@ -76,6 +82,9 @@ class StepCostModel:
         """The step-time coefficients at `block_size`."""
         if self.fixed_step_s is not None:
             return StepCost(self.fixed_step_s, 0.0, 0.0, 0.0, 0.0)
+        if self.calibration.engine is not None:
+            self.calibration.require([block_size])
+            return StepCost(**dict(self.calibration.engine.steps[block_size]))
         costs = self.cost_model
         kernel = costs.kernel(block_size)
         layers = self.policy.model.num_layers

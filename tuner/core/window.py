@@ -188,8 +188,15 @@ class LengthWindow:
         *,
         timestamps: Sequence[float] | np.ndarray | None = None,
         prefix_groups: Sequence[Hashable | None] | None = None,
+        earlier: int = 0,
     ) -> None:
-        """Record many finished requests in order (only the last `capacity` are kept)."""
+        """Record many finished requests in order (only the last `capacity` are kept).
+
+        `earlier` counts requests observed before these that the window no longer
+        holds (a restored lifetime total) in `observed_total`.
+        """
+        if earlier < 0:
+            raise InvalidWindowInput(f"earlier must be >= 0, got {earlier}")
         prompts = np.asarray(prompt_tokens)
         outputs = np.asarray(output_tokens)
         n = len(prompts)
@@ -229,7 +236,7 @@ class LengthWindow:
             self._prompts[index], self._outputs[index], self._timestamps[index] = rows[:3]
             self._prefix[index], self._has_prefix[index] = rows[3:]
             self._advance(m)
-            self._observed += n - m
+            self._observed += n - m + earlier
 
     def snapshot(self) -> WindowSnapshot:
         """A consistent copy of the window (oldest first) with its statistics."""

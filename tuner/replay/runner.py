@@ -65,6 +65,7 @@ __all__ = [
 
 ADAPTIVE = "adaptive"
 ORACLE = "oracle"
+MAX_INTERVALS = 1_000_000  # the objective keeps a row per decision interval of trace time
 
 
 class ReplayError(ValueError):
@@ -304,6 +305,7 @@ def plan_replay(
     workload = loaded.without_longer_than(fits)
     if not len(workload):
         raise ReplayError(f"{label}: every request is longer than the KV pool ({fits} token slots)")
+    _check_span(workload, policy.interval.total_seconds(), label)
     return ReplayPlan(
         label=label,
         policy=policy,
@@ -331,6 +333,24 @@ def replay(
     played = {name: plan.play(name, progress=progress) for name in plan.names[:-1]}
     played[ORACLE] = plan.play_oracle(plan.oracle_schedule(played), progress=progress)
     return plan.report(played)
+
+
+def _check_span(workload: Workload, interval_s: float, label: str) -> None:
+    """Refuse a trace whose arrivals run past `MAX_INTERVALS` decision intervals."""
+    arrivals = workload.arrival_s
+    intervals = float(arrivals[-1]) / interval_s
+    if intervals < MAX_INTERVALS:
+        return
+    problem = (
+        f"{label}: the last request arrives {float(arrivals[-1]):.4g} s into the trace, "
+        f"{intervals:.4g} decision intervals of {interval_s:g} s; a replay holds at most "
+        f"{MAX_INTERVALS:,} (use a longer policy interval, or look for a stray timestamp)"
+    )
+    if len(arrivals) > 1:
+        widest = int(np.argmax(np.diff(arrivals)))
+        gap = float(arrivals[widest + 1] - arrivals[widest])
+        problem += f": the widest gap, {gap:.4g} s, follows the request at {arrivals[widest]:.4g} s"
+    raise ReplayError(problem)
 
 
 def _initial(policy: Policy, requested: int | None) -> int:

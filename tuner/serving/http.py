@@ -1,25 +1,57 @@
-"""What blocktune's HTTP services share: bearer-token auth, safe binding, body limits.
+"""What blocktune's HTTP services share: the guarded app, auth, safe binding, the server.
 
-Both the sidecar and the worker are FastAPI apps served by uvicorn. Mutating
-endpoints require `Authorization: Bearer <token>` when a token is configured
-(compared in constant time); without a token a service refuses to bind
-anything but a loopback address. Request bodies over `max_body_bytes` are
-refused with 413 before they are read whole.
+Both the sidecar and the worker are FastAPI apps made by `guarded_app` and
+served with `server_config`. Before a route sees a request:
+
+- a body over `MAX_BODY_BYTES` is refused with 413 before it is read whole;
+- a body not declared `Content-Type: application/json` is refused with 415,
+  and a request whose `Origin` is not its own host with 403, so no web page
+  open on the host can drive the API; without a token (loopback only), a
+  `Host` that is no loopback name is refused with 421 (DNS rebinding);
+- a body that is not standard JSON (NaN, Infinity, invalid UTF-8, a lone
+  surrogate, nesting over 200 levels) is a 400 naming the line and column;
+- a 422 names every invalid field and echoes a value only when it is JSON.
+
+Mutating endpoints require `Authorization: Bearer <token>` when a token is
+configured (compared in constant time); without a token a service refuses to
+bind anything but a loopback address. uvicorn closes a connection that has
+not delivered a whole request (head and body) within the policy's
+`server.read_timeout` of opening or of its last answer, an idle one after
+`server.keep_alive`, and any beyond `server.max_connections` at once.
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import ipaddress
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+from urllib.parse import urlsplit
 
-from fastapi import HTTPException, Request
-from fastapi.responses import JSONResponse
+import uvicorn
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from blocktune.tuner.core.jsonable import from_json
+from blocktune.tuner.core.policy import ServerSettings
 
 __all__ = [
-    "BodyLimit",
+    "MAX_BODY_BYTES",
     "BearerAuth",
+    "BodyLimit",
     "InsecureBind",
+    "RequestGuard",
     "check_bind",
+    "guarded_app",
+    "server_config",
 ]
 
 MAX_BODY_BYTES = 1 << 20
@@ -106,3 +138,138 @@ class BodyLimit:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class RequestGuard:
+    """ASGI middleware: refuse, from the headers alone, what no client of ours sends.
+
+    A body must be declared `application/json` (415), an `Origin` header must
+    name the request's own host (403), and with `loopback_only` the `Host`
+    must be a loopback name (421).
+    """
+
+    def __init__(self, app, *, loopback_only: bool) -> None:
+        self.app = app
+        self.loopback_only = loopback_only
+
+    def _refusal(self, headers: Headers) -> tuple[int, str] | None:
+        host = headers.get("host", "")
+        if self.loopback_only and not is_loopback(urlsplit(f"//{host}").hostname or ""):
+            return 421, f"host {host!r} is not loopback: without a token only loopback is served"
+        origin = headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc.lower() != host.lower():
+            return 403, f"cross-origin requests are refused (Origin {origin!r})"
+        has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
+        media_type = headers.get("content-type", "").split(";")[0].strip().lower()
+        if has_body and media_type != "application/json":
+            return 415, "request bodies must be JSON, sent with Content-Type: application/json"
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        refusal = self._refusal(Headers(scope=scope)) if scope["type"] == "http" else None
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        status, detail = refusal
+        await JSONResponse({"detail": detail}, status_code=status)(scope, receive, send)
+
+
+class StrictJsonRoute(APIRoute):
+    """A route whose request body, when there is one, must be standard JSON (400 if not)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict_json(request: Request) -> Response:
+            try:
+                body = await request.body()  # kept by the request for the handler
+            except ClientDisconnect:  # gone, or closed by the read timeout: nobody to answer
+                return Response(status_code=400)
+            if body:
+                try:
+                    from_json(body)
+                except ValueError as error:
+                    raise HTTPException(400, f"the body is not standard JSON: {error}") from None
+            return await handler(request)
+
+        return strict_json
+
+
+def _is_json(value: object) -> bool:
+    try:
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError):  # NaN, infinities; UnicodeEncodeError for lone surrogates
+        return False
+    return True
+
+
+async def _invalid_request(_request: Request, error: RequestValidationError) -> JSONResponse:
+    """422 naming every invalid field; a part of an error that is no JSON is left out."""
+    errors = jsonable_encoder(error.errors())
+    detail = [{key: value for key, value in e.items() if _is_json(value)} for e in errors]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+def guarded_app(*, token: str | None, **fastapi: Any) -> FastAPI:
+    """A FastAPI app (`fastapi` its arguments) with every guard of the module docstring."""
+    app = FastAPI(**fastapi)
+    app.router.route_class = StrictJsonRoute
+    app.add_exception_handler(RequestValidationError, _invalid_request)
+    app.add_middleware(RequestGuard, loopback_only=token is None)
+    app.add_middleware(BodyLimit)  # outermost: a body too large is refused first
+    return app
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a read timeout and a cap on open connections."""
+
+    def __init__(self, *args: Any, read_timeout_s: float, max_connections: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._read_timeout_s = read_timeout_s
+        self._max_connections = max_connections
+        self._read_timer = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self._max_connections:
+            transport.close()
+            return
+        self._start_read_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._start_read_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        super().connection_lost(exc)
+
+    def _start_read_timer(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+        self._read_timer = self.loop.call_later(self._read_timeout_s, self._read_timed_out)
+
+    def _read_timed_out(self) -> None:
+        """Close unless a whole request arrived and its answer is being made."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or cycle.more_body:
+            self.transport.close()
+
+
+def server_config(app: FastAPI, *, host: str, port: int, server: ServerSettings) -> uvicorn.Config:
+    """uvicorn's configuration for `app` on `host:port` with `server`'s connection limits."""
+    protocol = functools.partial(
+        GuardedH11Protocol,
+        read_timeout_s=server.read_timeout.total_seconds(),
+        max_connections=server.max_connections,
+    )
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        timeout_keep_alive=server.keep_alive.total_seconds(),
+        log_level="warning",
+        lifespan="on",
+    )

@@ -11,7 +11,8 @@
 
 The app's lifespan starts the sidecar and stops it (which saves its state) on
 shutdown. Mutating endpoints take the bearer token when one is configured;
-bodies over 1 MiB are refused by `BodyLimit`.
+`guarded_app` refuses what no client sends (bodies over 1 MiB or not JSON,
+foreign origins; see `blocktune.tuner.serving.http`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from blocktune import __version__
 from blocktune.tuner.core.jsonable import to_jsonable
-from blocktune.tuner.serving.http import BearerAuth, BodyLimit
+from blocktune.tuner.core.policy import ServerSettings
+from blocktune.tuner.serving.http import BearerAuth, guarded_app, server_config
 from blocktune.tuner.sidecar.sidecar import PushDisabled, Sidecar
 from blocktune.tuner.sidecar.sources import (
     MAX_OBSERVATIONS,
@@ -104,6 +106,11 @@ class _SidecarMetrics:
         yield CounterMetricFamily(
             "blocktune_observations", "finished requests observed", value=m["observations"]
         )
+        yield CounterMetricFamily(
+            "blocktune_state_save_failures",
+            "state file saves that failed (the last good state stays on disk)",
+            value=m["state_save_failures"],
+        )
         errors = CounterMetricFamily(
             "blocktune_source_errors",
             "failed polls, bad lines and rejected batches, by source",
@@ -132,13 +139,13 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
         finally:
             await asyncio.to_thread(sidecar.stop)
 
-    app = FastAPI(
+    app = guarded_app(
+        token=token,
         title="blocktune sidecar",
         version=__version__,
         description="Watches request lengths and decides the KV block size every interval.",
         lifespan=lifespan,
     )
-    app.add_middleware(BodyLimit)
     auth = BearerAuth(token)
     registry = CollectorRegistry()
     registry.register(_SidecarMetrics(sidecar))
@@ -150,12 +157,10 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
         summary="Push finished requests into the length window (all or nothing)",
     )
     async def observations(request: Request) -> Response:
+        if not await request.body():
+            return _json({"detail": "the body is empty: expected a JSON list of observations"}, 400)
         try:
-            payload = json.loads(await request.body())
-        except (ValueError, RecursionError) as error:
-            return _json({"detail": f"the body is not JSON: {error}"}, 400)
-        try:
-            accepted = sidecar.push(payload)
+            accepted = sidecar.push(await request.json())  # standard JSON (StrictJsonRoute)
         except PushDisabled as error:
             return _json({"detail": str(error)}, 403)
         except TooManyObservations as error:
@@ -190,16 +195,18 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
 
     @app.get("/readyz", summary="Scheduler running and a source able to deliver")
     async def readyz() -> Response:
-        readiness = sidecar.readiness()
+        readiness = await asyncio.to_thread(sidecar.readiness)
         return _json(readiness, 200 if readiness["ready"] else 503)
 
     return app
 
 
-def serve_sidecar(sidecar: Sidecar, *, host: str, port: int, token: str | None) -> None:
+def serve_sidecar(
+    sidecar: Sidecar, *, host: str, port: int, token: str | None, server: ServerSettings
+) -> None:
     """Serve `sidecar` with uvicorn until SIGTERM/SIGINT, then stop it (which saves state)."""
     app = create_sidecar_app(sidecar, token=token)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+    config = server_config(app, host=host, port=port, server=server)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for
     # the handlers it found; these keep that second delivery from killing the process.
     previous = {sig: signal.signal(sig, _shutdown_done) for sig in (signal.SIGTERM, signal.SIGINT)}

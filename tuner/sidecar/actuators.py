@@ -10,7 +10,9 @@ which size is in force, so the sidecar decides against the truth.
 `HttpActuator` POSTs `{"block_size": B}` to the worker's `/admin/block-size`
 with the bearer token, retrying connection errors, timeouts and 5xx answers
 with exponential backoff; a 4xx answer is final. Asking for the size already in
-force is harmless, so a retry after a lost answer cannot do harm.
+force is harmless, so a retry after a lost answer cannot do harm. An answer is
+trusted only as far as it is consistent: a "done" swap to any size but the one
+asked for, or a size in force that is no valid block size, counts as no answer.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from blocktune.runtime.swap_result import SwapResult
+from blocktune.tuner.core.policy import BlockSize
 
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine
@@ -48,6 +51,7 @@ class Actuation(SwapResult):
 
 
 _SWAP_RESULT = TypeAdapter(SwapResult)
+_BLOCK_SIZE = TypeAdapter(BlockSize)
 
 
 class HttpActuator:
@@ -108,6 +112,9 @@ class HttpActuator:
         except ValidationError as error:
             reason = f"the worker's answer is not a SwapResult: {error.errors()[0]['msg']}"
             return self._failed(new, old, reason, attempts)
+        if body.status == "done" and body.new_block_size != new:
+            reason = f"the worker reports a swap to {body.new_block_size}, not to {new}"
+            return self._failed(new, old, reason, attempts)
         return Actuation(**body.to_dict(), attempts=attempts, target=self.target, at=time.time())
 
     def _failed(self, new: int, old: int, reason: str, attempts: int) -> Actuation:
@@ -116,14 +123,14 @@ class HttpActuator:
         )
 
     def block_size(self) -> int | None:
-        """The worker's block size from `GET /admin/state`, or None when it does not answer."""
+        """The worker's block size from `GET /admin/state`, or None when it does not answer
+        (or answers no valid block size)."""
         try:
             response = self._client.get(f"{self.url}/admin/state", timeout=STATE_TIMEOUT_S)
             response.raise_for_status()
-            size = response.json().get("block_size")
-        except (httpx.HTTPError, ValueError, AttributeError):
+            return _BLOCK_SIZE.validate_python(response.json().get("block_size"))
+        except (httpx.HTTPError, ValueError, AttributeError):  # ValidationError is a ValueError
             return None
-        return size if isinstance(size, int) and size > 0 else None
 
     def close(self) -> None:
         self._client.close()

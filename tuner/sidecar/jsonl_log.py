@@ -6,19 +6,23 @@ optionally, the finish time and prefix group. The follower keeps the file open
 and reads what was appended since the last poll (at most `max_bytes` per poll;
 the rest waits for the next one). It survives
 
-- rotation (the path now names another file, e.g. logrotate's rename): the
-  old file is read to its end, then the new one from its start;
-- truncation (copytruncate, or `> file`): the file is read again from its start;
+- rotation (the path now names another file, by device and inode, e.g.
+  logrotate's rename): the old file is read to its end, then the new one from
+  its start;
+- truncation (copytruncate, or `> file`): the file is shorter than what was
+  read, or its first `HEAD_BYTES` differ from those read before (truncated and
+  rewritten past the old offset between two polls): it is read again from its
+  start;
 - a missing file: the poll fails (and is counted) until the file appears.
 
-A line that is not JSON, not an object, or whose fields are missing or invalid
-is skipped and counted as a source error; a partial last line waits for its
-newline.
+A line that is not standard JSON (see `from_json`: NaN, lone surrogates and
+deep nesting are refused), not an object, or whose fields are missing or
+invalid is skipped and counted as a source error, and the other lines of the
+poll are observed; a partial last line waits for its newline.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -26,12 +30,14 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from blocktune.tuner.core.jsonable import from_json
 from blocktune.tuner.core.policy import JsonlLogSettings
 from blocktune.tuner.sidecar.sources import Observation, Observations, PollingSource, Sink
 
 __all__ = ["JsonlLogFollower"]
 
 MAX_BYTES_PER_POLL = 8 << 20
+HEAD_BYTES = 256
 
 
 class _BadLine(ValueError):
@@ -75,6 +81,7 @@ class JsonlLogFollower(PollingSource):
         self._max_bytes = max_bytes
         self._file = None
         self._partial = b""
+        self._head = b""  # the file's first bytes as read, up to HEAD_BYTES
         self.bad_lines = 0
         self.rotations = 0
         self.truncations = 0
@@ -85,7 +92,19 @@ class JsonlLogFollower(PollingSource):
         self._file = open(self.path, "rb")  # noqa: SIM115 - held open across polls
         if at_end:
             self._file.seek(0, os.SEEK_END)
-        self._partial = b""
+        self._partial = self._head = b""
+        self._remember_head()
+
+    def _remember_head(self) -> None:
+        if len(self._head) < HEAD_BYTES:
+            size = min(HEAD_BYTES, self._file.tell())
+            self._head = os.pread(self._file.fileno(), size, 0)
+
+    def _truncated(self, size: int) -> bool:
+        """Shorter than what was read, or another head than the one read."""
+        if size < self._file.tell():
+            return True
+        return os.pread(self._file.fileno(), len(self._head), 0) != self._head
 
     def close(self) -> None:
         if self._file is not None:
@@ -103,11 +122,11 @@ class JsonlLogFollower(PollingSource):
             named = os.stat(self.path)
         except FileNotFoundError:
             named = None
-        same_file = named is not None and named.st_ino == current.st_ino
-        if same_file and named.st_size < self._file.tell():
+        same_file = named is not None and os.path.samestat(named, current)
+        if same_file and self._truncated(named.st_size):
             self.truncations += 1
             self._file.seek(0)
-            self._partial = b""
+            self._partial = self._head = b""
         drained = self._read(lines)
         if not same_file and drained:
             if self._partial:
@@ -122,6 +141,7 @@ class JsonlLogFollower(PollingSource):
     def _read(self, lines: list[bytes]) -> bool:
         """Append the complete new lines to `lines`; True when the file was read to its end."""
         chunk = self._file.read(self._max_bytes)
+        self._remember_head()
         data = self._partial + chunk
         *complete, self._partial = data.split(b"\n")
         lines.extend(complete)
@@ -147,8 +167,8 @@ class JsonlLogFollower(PollingSource):
 
     def _parse(self, line: bytes) -> Observation:
         try:
-            record = json.loads(line)
-        except (UnicodeDecodeError, ValueError) as error:
+            record = from_json(line)
+        except ValueError as error:
             raise _BadLine(f"{self.path}: a line is not JSON: {error}") from None
         if not isinstance(record, dict):
             raise _BadLine(f"{self.path}: a line is not a JSON object")

@@ -35,7 +35,7 @@ import numpy as np
 from blocktune.kernels import is_power_of_two
 from blocktune.tuner.core.calibration import Calibration, calibration_for
 from blocktune.tuner.core.jsonable import to_jsonable
-from blocktune.tuner.core.policy import Policy
+from blocktune.tuner.core.policy import MAX_BLOCK_SIZE, Policy
 from blocktune.tuner.core.selector import Decision, Selector
 from blocktune.tuner.core.window import LengthWindow, WindowSnapshot
 from blocktune.tuner.operations import log_event, token_from_env
@@ -123,6 +123,7 @@ class Sidecar:
         self._observations = 0
         self._decisions = {"true": 0, "false": 0}
         self._swaps = dict.fromkeys(SWAP_STATUSES, 0)
+        self._save_failures = 0
         self._started = False
         self._stopped = False
         self._restore()
@@ -227,9 +228,11 @@ class Sidecar:
 
     def _report_size(self, block_size: int) -> None:
         """A source reports the block size in use (vLLM's cache_config_info)."""
-        if not is_power_of_two(block_size):
+        if not (is_power_of_two(block_size) and block_size <= MAX_BLOCK_SIZE):
             self.statuses["vllm_metrics"].bad_items(
-                1, f"cache_config_info block_size {block_size} is not a power of two"
+                1,
+                f"cache_config_info block_size {block_size} is not a power of two "
+                f"up to {MAX_BLOCK_SIZE}",
             )
             return
         with self._lock:
@@ -354,17 +357,29 @@ class Sidecar:
         return to_jsonable({"capacity": self.window.capacity, **self.window.snapshot().summary()})
 
     def readiness(self) -> dict:
-        """Ready when the scheduler runs and lengths can arrive (push or engine on, or every
-        polled source's last poll succeeded)."""
+        """Ready when the scheduler runs, lengths can arrive (push or engine on, or every
+        polled source's last poll succeeded) and, when enforcing, the actuator's target
+        answers now (this asks it: a blocking call of up to a few seconds)."""
         scheduler = self.scheduler.running
         statuses = {name: status.to_dict() for name, status in self.statuses.items()}
         listening = self.policy.sources.push or self.engine is not None
         polled_ok = bool(self.sources) and all(s.status.last_ok for s in self.sources)
-        return {
+        out = {
             "ready": scheduler and (listening or polled_ok),
             "scheduler_running": scheduler,
             "sources": statuses,
         }
+        if self.enforcing:
+            answers = self.actuator.block_size() is not None
+            last = self.last_actuation
+            out["actuator"] = {
+                "target": self.actuator.target,
+                "answers": answers,
+                "last_swap": None if last is None else last["status"],
+                "last_reason": None if last is None else last["reason"],
+            }
+            out["ready"] = out["ready"] and answers
+        return out
 
     def metrics(self) -> dict:
         """Numbers for the Prometheus exposition."""
@@ -376,6 +391,7 @@ class Sidecar:
                 "observations": self._observations,
                 "decisions": dict(self._decisions),
                 "swaps": dict(self._swaps) if self.actuator is not None else None,
+                "state_save_failures": self._save_failures,
             }
         out["window_requests"] = len(self.window)
         out["decision_failures"] = self.scheduler.failures
@@ -387,12 +403,21 @@ class Sidecar:
 
     # ------------------------------------------------------------------ state
     def save_state(self) -> None:
-        """Write the window and the last decision to the state file (if one is set)."""
+        """Write the window and the last decision to the state file (if one is set); a
+        failure is logged and counted (`state_save_failures`), never raised."""
         if self.state_file is None:
             return
+        try:
+            self.state_file.save(self._saved_state())
+        except (OSError, ValueError) as error:
+            with self._lock:
+                self._save_failures += 1
+            log_event(log, "state_save_failed", file=str(self.state_file.path), error=str(error))
+
+    def _saved_state(self) -> SavedState:
         snapshot = self.window.snapshot()
         with self._lock:
-            state = SavedState(
+            return SavedState(
                 saved_at=time.time(),
                 deployment=self.policy.deployment,
                 current_block_size=self._current,
@@ -404,19 +429,16 @@ class Sidecar:
                     output_tokens=snapshot.output_tokens.tolist(),
                     prefix_keys=snapshot.prefix_keys.tolist(),
                     has_prefix=snapshot.has_prefix.tolist(),
+                    observed_total=snapshot.observed_total,
                 ),
                 recommendation=self._body,
                 actuation=self._actuation,
             )
-        try:
-            self.state_file.save(state)
-        except OSError as error:
-            log_event(log, "state_save_failed", file=str(self.state_file.path), error=str(error))
 
     def _restore(self) -> None:
         if self.state_file is None:
             return
-        saved = self.state_file.load()
+        saved = self.state_file.load(self.policy)
         if saved is None:
             return
         rows = saved.window
@@ -426,6 +448,7 @@ class Sidecar:
             np.asarray(rows.output_tokens, dtype=np.int64),
             timestamps=rows.timestamps,
             prefix_groups=groups,
+            earlier=rows.lifetime_total - len(rows.prompt_tokens),
         )
         self._current = saved.current_block_size
         self._recommended = saved.recommended_block_size

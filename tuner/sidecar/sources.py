@@ -29,6 +29,7 @@ from apscheduler.triggers.interval import IntervalTrigger
 from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
+from blocktune.traces.schema import MAX_TOKENS
 from blocktune.tuner.core.config_files import format_location
 from blocktune.tuner.operations import log_event
 
@@ -46,7 +47,6 @@ __all__ = [
 ]
 
 MAX_OBSERVATIONS = 10_000
-MAX_TOKENS = 1 << 24  # 16.7M tokens: longer than any context
 MAX_PREFIX_GROUP = 256
 MAX_REPORTED_ERRORS = 20
 log = logging.getLogger("blocktune.sidecar")

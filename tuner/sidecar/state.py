@@ -2,15 +2,21 @@
 
 `StateFile.save` writes JSON to a temporary file in the same folder, flushes
 it to disk and renames it over the state file (`os.replace`), so a crash
-leaves either the old state or the new one, never half of one. `load` reads it
-back; a file that is not valid JSON or not a valid state is reported (a log
-line naming the file and the problem) and set aside as
-`FILE.corrupt-<UTC timestamp>`, and the sidecar starts fresh.
+leaves either the old state or the new one, never half of one; the
+temporaries a crash leaves behind are removed at the next load. `load` reads
+it back and checks it against the policy: a file that is not standard JSON,
+not a valid state, larger than a window of the policy's capacity can be, or
+that does not fit the policy (another deployment, more rows than the window
+holds) is reported (a log line naming the file and the problem) and set aside
+as `FILE.corrupt-<UTC timestamp>`, and the sidecar starts fresh. A state file
+that cannot be read at all (a folder, a path through a file), or a corrupt one
+that cannot be set aside (a read-only folder), raises `StateFileError`: the
+sidecar does not start until an operator looks.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import tempfile
@@ -19,16 +25,33 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
 
-from blocktune.kernels import is_power_of_two
+from blocktune.traces.schema import MAX_TOKENS
 from blocktune.tuner.core.config_files import format_location
+from blocktune.tuner.core.jsonable import from_json
+from blocktune.tuner.core.policy import BlockSize, Policy
 from blocktune.tuner.operations import log_event
 
-__all__ = ["STATE_VERSION", "SavedState", "SavedWindow", "StateFile"]
+__all__ = ["STATE_VERSION", "SavedState", "SavedWindow", "StateFile", "StateFileError"]
 
 STATE_VERSION = 1
+BYTES_PER_ROW = 128  # a window row as JSON is at most about 70 bytes
+BYTES_BESIDE_ROWS = 1 << 20  # the last decision and the envelope
 log = logging.getLogger("blocktune.sidecar")
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class StateFileError(ValueError):
+    """A state file that can neither be read nor set aside; the message names it and why."""
 
 
 class _Frozen(BaseModel):
@@ -36,40 +59,64 @@ class _Frozen(BaseModel):
 
 
 class SavedWindow(_Frozen):
-    """The length window's rows, oldest first (prefix groups as their 63-bit keys)."""
+    """The length window's rows, oldest first (prefix groups as their 63-bit keys), and the
+    requests observed over the sidecar's lifetime (absent in files of older versions)."""
 
-    timestamps: list[float]
-    prompt_tokens: list[Annotated[int, Field(ge=1)]]
-    output_tokens: list[Annotated[int, Field(ge=0)]]
+    timestamps: list[FiniteFloat]
+    prompt_tokens: list[Annotated[int, Field(ge=1, le=MAX_TOKENS)]]
+    output_tokens: list[Annotated[int, Field(ge=0, le=MAX_TOKENS)]]
     prefix_keys: list[Annotated[int, Field(ge=0, lt=2**63)]]
     has_prefix: list[bool]
+    observed_total: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _same_lengths(self) -> SavedWindow:
-        lengths = {len(getattr(self, name)) for name in type(self).model_fields}
+        columns = ("timestamps", "prompt_tokens", "output_tokens", "prefix_keys", "has_prefix")
+        lengths = {len(getattr(self, name)) for name in columns}
         if len(lengths) != 1:
             raise ValueError(f"the window's columns differ in length: {sorted(lengths)}")
+        if self.observed_total is not None and self.observed_total < len(self.timestamps):
+            raise ValueError(
+                f"observed_total {self.observed_total} is less than the window's "
+                f"{len(self.timestamps)} rows"
+            )
         return self
+
+    @property
+    def lifetime_total(self) -> int:
+        """Requests observed over the sidecar's lifetime (the rows, for older files)."""
+        return len(self.timestamps) if self.observed_total is None else self.observed_total
 
 
 class SavedState(_Frozen):
-    """Everything the sidecar restores at start."""
+    """Everything the sidecar restores at start.
+
+    Validated with ``context={"policy": policy}``, the state must also fit that
+    policy: the same deployment, and no more rows than its window holds.
+    """
 
     version: Literal[1] = STATE_VERSION
-    saved_at: float
+    saved_at: FiniteFloat
     deployment: str
-    current_block_size: int = Field(gt=0)
-    last_switch_at: float | None = None
-    recommended_block_size: int | None = None
+    current_block_size: BlockSize
+    last_switch_at: FiniteFloat | None = None
+    recommended_block_size: BlockSize | None = None
     window: SavedWindow
     recommendation: dict | None = None
     actuation: dict | None = None
 
     @model_validator(mode="after")
-    def _power_of_two(self) -> SavedState:
-        size = self.current_block_size
-        if not is_power_of_two(size):
-            raise ValueError(f"current_block_size {size} is not a power of two")
+    def _fits_the_policy(self, info: ValidationInfo) -> SavedState:
+        policy: Policy | None = (info.context or {}).get("policy")
+        if policy is None:
+            return self
+        if self.deployment != policy.deployment:
+            raise ValueError(
+                f"the state is deployment {self.deployment!r}'s, not {policy.deployment!r}'s"
+            )
+        rows, capacity = len(self.window.timestamps), policy.window.capacity
+        if rows > capacity:
+            raise ValueError(f"the window holds {rows} rows, more than its capacity {capacity}")
         return self
 
 
@@ -87,7 +134,7 @@ class StateFile:
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             handle, temporary = tempfile.mkstemp(
-                prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent
+                prefix=self._temporary_prefix, suffix=".tmp", dir=self.path.parent
             )
             try:
                 with os.fdopen(handle, "wb") as out:
@@ -99,23 +146,54 @@ class StateFile:
                 Path(temporary).unlink(missing_ok=True)
                 raise
 
-    def load(self) -> SavedState | None:
-        """The saved state; None when there is none or it was corrupt (then set aside)."""
+    @property
+    def _temporary_prefix(self) -> str:
+        return f".{self.path.name}."
+
+    def load(self, policy: Policy) -> SavedState | None:
+        """The saved state if it fits `policy`; None when there is none or it was set aside.
+
+        Raises `StateFileError` when the file cannot be read or set aside.
+        """
+        capacity = policy.window.capacity
+        limit = BYTES_BESIDE_ROWS + BYTES_PER_ROW * capacity
         with self._lock:
+            self._remove_temporaries()
             try:
-                data = self.path.read_bytes()
+                with self.path.open("rb") as handle:
+                    data = handle.read(limit + 1)
             except FileNotFoundError:
                 return None
-            try:
-                return SavedState.model_validate(json.loads(data))
-            except (UnicodeDecodeError, ValueError) as error:
-                self._set_aside(_describe(error))
-                return None
+            except OSError as error:
+                raise StateFileError(
+                    f"{self.path}: cannot read the state file: {error.strerror}"
+                ) from None
+            if len(data) > limit:
+                problem = f"over {limit} bytes, more than a window of {capacity} rows needs"
+            else:
+                try:
+                    return SavedState.model_validate(from_json(data), context={"policy": policy})
+                except ValueError as error:
+                    problem = _describe(error)
+            self._set_aside(problem)
+            return None
+
+    def _remove_temporaries(self) -> None:
+        """Remove the temporaries of saves that a crash interrupted (one sidecar per file)."""
+        for temporary in self.path.parent.glob(f"{self._temporary_prefix}*.tmp"):
+            with contextlib.suppress(OSError):  # a folder we cannot write: the saves fail too
+                temporary.unlink()
 
     def _set_aside(self, problem: str) -> None:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
         aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-        os.replace(self.path, aside)
+        try:
+            os.replace(self.path, aside)
+        except OSError as error:
+            raise StateFileError(
+                f"{self.path}: the state file is unusable ({problem}) and cannot be set aside "
+                f"({error.strerror}): move it away, or let the sidecar write to its folder"
+            ) from None
         self.set_aside_as = aside
         log_event(
             log,
@@ -126,7 +204,7 @@ class StateFile:
         )
 
 
-def _describe(error: Exception) -> str:
+def _describe(error: ValueError) -> str:
     if isinstance(error, ValidationError):
         first = error.errors()[0]
         return (

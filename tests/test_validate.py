@@ -1,0 +1,134 @@
+"""The live side of `blocktune validate`: the virtual clock, and the engine against the simulator.
+
+The simulator counts the token a step generates as held (a request of prompt p holds
+p + t tokens in its t-th step); the engine holds the K/V of the tokens it has fed
+(p + t - 1). Replaying the engine's requests with prompts one token shorter makes the two
+count the same blocks, so with equal constant step times they must admit, preempt and
+finish every request at the same instants. Neither side chunks prefills here: today's
+simulator prefills every admitted prompt whole.
+"""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from blocktune.runtime.engine import Engine, EngineConfig
+from blocktune.runtime.model import load_model
+from blocktune.tuner.core.calibration import analytic_calibration
+from blocktune.tuner.core.policy import Policy
+from blocktune.tuner.core.simulator import simulate
+from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.core.workload import Workload
+from blocktune.tuner.replay.live import prompt_ids, serve_live
+from blocktune.tuner.replay.served_metrics import ServedMetrics
+from blocktune.tuner.replay.validation import BlockSizeCheck, Validation
+
+STEP_S = 0.25  # exact in binary, so both sides' sums of step times are exact too
+SLOT_BYTES = 2 * 2 * 16 * 4 * 2  # tiny-random: layers x K/V heads x head_dim x fp32 x (K, V)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("tiny-random", seed=0)
+
+
+def _workload(arrivals, prompts, outputs):
+    frame = pd.DataFrame(
+        {"arrival_s": arrivals, "prompt_tokens": prompts, "output_tokens": outputs}
+    )
+    return Workload.from_frame(frame)
+
+
+def _server(num_blocks, block_size=8):
+    policy = Policy(
+        deployment="tiny",
+        model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+               "dtype": "float32", "num_params": 1e5},
+        kv_budget=num_blocks * block_size * SLOT_BYTES,
+        candidates=(block_size,),
+    )  # fmt: skip
+    return StepCostModel(policy, analytic_calibration(), fixed_step_s=STEP_S)
+
+
+def _engine(model, num_blocks, block_size=8):
+    config = EngineConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=64,
+        max_model_len=512,
+        candidate_block_sizes=(block_size,),
+    )
+    return Engine(model, config)
+
+
+def test_the_virtual_clock_admits_requests_in_arrival_order(model):
+    workload = _workload([0.0, 0.1, 0.6, 5.0], [5, 9, 3, 7], [4, 4, 4, 4])
+    live = serve_live(_engine(model, 64), workload, step_s=STEP_S)
+    # r0 starts at 0; r1 (0.1) joins at the next step boundary, 0.25; r2 (0.6) at 0.75;
+    # the engine idles after r2 finishes at 1.75, and the clock jumps to r3's arrival.
+    np.testing.assert_array_equal(live.first_token_s, [0.25, 0.5, 1.0, 5.25])
+    np.testing.assert_array_equal(live.finish_s, [1.0, 1.25, 1.75, 6.0])
+    assert live.generated.tolist() == [4, 4, 4, 4]
+    assert live.steps == 7 + 4 and live.busy_s == 11 * STEP_S
+    run = simulate(workload, _server(64), 8)
+    np.testing.assert_array_equal(run.first_token_s, live.first_token_s)
+    np.testing.assert_array_equal(run.finish_s, live.finish_s)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_engine_and_simulator_admit_and_preempt_alike_at_constant_step_times(model, seed):
+    rng = np.random.default_rng(seed)
+    count = 24
+    arrivals = np.sort(rng.integers(0, 40, count)) * STEP_S / 2
+    prompts = rng.integers(2, 40, count)
+    outputs = rng.integers(1, 30, count)
+    engine_side = _workload(arrivals, prompts, outputs)
+    live = serve_live(_engine(model, 14), engine_side, step_s=STEP_S, seed=seed)
+    run = simulate(_workload(arrivals, prompts - 1, outputs), _server(14), 8)
+    assert live.preemptions == run.preemptions > 0
+    np.testing.assert_array_equal(live.first_token_s, run.first_token_s)
+    np.testing.assert_array_equal(live.finish_s, run.finish_s)
+    assert live.peak_blocks == run.peak_blocks == 14
+    assert live.generated.tolist() == outputs.tolist()
+
+
+def test_prompts_share_exactly_the_tokens_their_prefix_hashes_cover():
+    frame = pd.DataFrame(
+        {
+            "arrival_s": [0.0, 1.0, 2.0],
+            "prompt_tokens": [300, 600, 40],
+            "output_tokens": [5, 5, 5],
+            "prefix_hashes": [[11, 12], [11, 12, 13], [11]],
+        }
+    )
+    workload = Workload.from_frame(frame)
+    a, b, c = (prompt_ids(workload, row, 256, seed=3) for row in range(3))
+    assert [len(a), len(b), len(c)] == [300, 600, 40]
+    assert a == b[:300] and a[:40] == c  # the hashes cover all of a and c
+    assert b[300:512] != prompt_ids(workload, 1, 256, seed=4)[300:512]
+    assert prompt_ids(workload, 1, 256, seed=3) == b
+
+
+def _metrics(tokens_per_s):
+    return ServedMetrics(tokens_per_s, 0.1, 0.2, 0.01, 0.02, 10.0, 0.0)
+
+
+def test_rankings_compare_only_block_sizes_apart_beyond_the_run_to_run_noise():
+    def check(size, predicted, *runs):
+        return BlockSizeCheck(size, _metrics(predicted), tuple(map(_metrics, runs)))
+
+    # Runs of 8 and 16 spread by up to 2 tok/s: 8 vs 16 (1 apart) is a tie, 32 stands out.
+    checks = [check(8, 99, 100, 102), check(16, 100, 102, 102), check(32, 120, 110, 111)]
+    validation = Validation(trace={}, setup={}, checks=checks, rank_by="tokens_per_s")
+    assert validation.noise("tokens_per_s") == 2
+    assert [(a.block_size, b.block_size) for a, b in validation.compared_pairs()] == [
+        (8, 32),
+        (16, 32),
+    ]
+    assert validation.ranking("predicted") == [32, 16, 8]
+    assert validation.ranking("measured") == [32, 16, 8]
+    assert validation.rank_agreement
+    assert checks[0].error("tokens_per_s") == pytest.approx(99 / 101 - 1)
+    assert checks[0].noise("tokens_per_s") == pytest.approx(2 / 101)
+    swapped = [check(8, 130, 100, 102), *checks[1:]]
+    assert not Validation(trace={}, setup={}, checks=swapped, rank_by="tokens_per_s").rank_agreement

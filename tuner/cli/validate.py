@@ -1,0 +1,193 @@
+"""`blocktune validate`: the simulator's predictions against the live engine, per block size.
+
+Serves the first `--requests` requests of TRACE (default: the embedded
+customer-service day) on the live engine with a virtual clock, `--runs` times
+per block size, and replays them on the simulator with an engine calibration
+(`--calibration FILE`, or one measured first with the default grid). Prints
+the predicted and measured metrics with their relative errors, the run-to-run
+noise and whether both rank the block sizes the same way; `--json FILE`
+writes the same as JSON (``-`` prints it instead of the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from blocktune.tuner.cli._common import (
+    add_calibration_argument,
+    add_day_arguments,
+    add_load_arguments,
+    add_measurement_arguments,
+    add_model_arguments,
+    block_size_arg,
+    positive_int,
+)
+
+if TYPE_CHECKING:
+    from blocktune.runtime.model import LlamaModel
+    from blocktune.tuner.core.calibration import Calibration
+
+__all__ = ["register"]
+
+DEFAULT_REQUESTS = 300
+DEFAULT_RUNS = 2
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    """Serve a trace on the live engine (a virtual clock advanced by each step's measured
+    time) and on the simulator, for each block size; print predicted and measured tokens/s,
+    TTFT and TPOT p50/p99, peak KV blocks and preemptions with their relative errors, and
+    whether both rank the block sizes the same way."""
+    from blocktune.tuner.cli._common import (
+        load_policy_and_calibration,
+        load_shaped_model_from_args,
+        load_trace_or_day,
+    )
+    from blocktune.tuner.core.workload import Workload
+    from blocktune.tuner.replay.validation import validate
+    from blocktune.tuner.replay.validation_report import (
+        format_validation_table,
+        validation_dict,
+        write_validation,
+    )
+
+    def progress(message: str) -> None:
+        print(f"validate: {message}", file=sys.stderr, flush=True)
+
+    try:
+        policy, calibration = load_policy_and_calibration(args.policy, args.calibration)
+        frame, label = load_trace_or_day(args)
+        workload = Workload.from_frame(frame.sort_values("arrival_s").head(args.requests))
+        model, name = load_shaped_model_from_args(args, device=args.device)
+        block_sizes = tuple(args.block_sizes or policy.candidates)
+        calibration = _engine_calibration(args, calibration, model, name, block_sizes, progress)
+        if args.json != "-":
+            print(f"trace: {label}, first {len(workload)} requests")
+            print(f"model: {name}; policy: {policy.deployment}, KV budget {policy.kv_budget}")
+            print(f"calibration: {calibration.describe()}", flush=True)
+        validation = validate(
+            workload,
+            policy,
+            model,
+            calibration,
+            block_sizes,
+            runs=args.runs,
+            rank_by=args.rank_by,
+            seed=args.seed,
+            progress=progress,
+        )
+    except ValueError as error:  # every bad input: policy, trace, model, calibration
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    validation.trace["label"] = label
+    if args.json == "-":
+        print(json.dumps(validation_dict(validation), indent=2, allow_nan=False))
+        return 0
+    if validation.trace["too_long"]:
+        print(f"left out {validation.trace['too_long']} requests longer than the pool")
+    print(format_validation_table(validation))
+    if args.json is not None:
+        write_validation(validation, Path(args.json))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _engine_calibration(
+    args: argparse.Namespace,
+    calibration: Calibration,
+    model: LlamaModel,
+    name: str,
+    block_sizes: tuple[int, ...],
+    progress: Callable[[str], None],
+) -> Calibration:
+    """The calibration given (it must have an engine section), or one measured now with the
+    default grid; torch uses the calibration's threads unless --threads says otherwise."""
+    from blocktune.tuner.cli._common import set_threads
+    from blocktune.tuner.core.calibration import CalibrationError
+    from blocktune.tuner.core.engine_measure import default_engine_grid, measure_engine_calibration
+
+    if args.calibration is not None:
+        if calibration.engine is None:
+            raise CalibrationError(
+                f"{args.calibration} has no engine section: write one with "
+                "`blocktune calibrate --engine`"
+            )
+        set_threads(args.threads or calibration.engine.threads)
+        return calibration
+    set_threads(args.threads)
+    progress("measuring an engine calibration first (default grid)")
+    return measure_engine_calibration(
+        model,
+        name,
+        default_engine_grid(quick=False, block_sizes=block_sizes),
+        quick=False,
+        clock=args.clock,
+        seed=args.seed,
+        progress=progress,
+    )
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add `validate` to the command line."""
+    from blocktune.tuner.replay.served_metrics import METRICS
+
+    parser = commands.add_parser(
+        "validate",
+        help="compare the simulator's predictions with the live engine, per block size",
+        description=run_validate.__doc__,
+    )
+    add_load_arguments(
+        parser,
+        trace_help="trace file (default, or 'synthetic': the embedded customer-service day)",
+        trace_optional=True,
+        seed_help="seed of the embedded day, of --rate arrivals, of random weights and of the "
+        "prompts' token ids (default: 0)",
+    )
+    add_day_arguments(parser)
+    parser.add_argument(
+        "--policy",
+        required=True,
+        metavar="FILE|NAME",
+        help="policy YAML or bundled name: the KV budget and candidates (its model section is "
+        "replaced by the live model's shape)",
+    )
+    add_model_arguments(parser)
+    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
+    add_calibration_argument(parser)
+    parser.add_argument(
+        "--requests",
+        type=positive_int,
+        default=DEFAULT_REQUESTS,
+        help="serve the first N requests of the trace (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--block-sizes",
+        type=block_size_arg,
+        nargs="+",
+        metavar="B",
+        help="block sizes to compare (default: the policy's candidates)",
+    )
+    parser.add_argument(
+        "--runs",
+        type=positive_int,
+        default=DEFAULT_RUNS,
+        help="live runs per block size, for the run-to-run noise (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rank-by",
+        choices=METRICS,
+        default="tokens_per_s",
+        help="metric both sides rank the block sizes by (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--json",
+        metavar="FILE",
+        help="write the comparison as JSON to FILE ('-': print it instead of the table)",
+    )
+    add_measurement_arguments(parser)
+    parser.set_defaults(handler=run_validate)

@@ -1,0 +1,194 @@
+"""Fidelity of the simulator: the same workload served live and simulated, per block size.
+
+For every block size B, `validate` serves the workload on the live engine
+(`tuner.replay.live`, a virtual clock advanced by each step's measured time)
+`runs` times, and once on the simulator (`tuner.core.simulator`) with the same
+pool: the policy's KV budget in whole blocks of B, for the live model's shape
+(the policy's `model` section is replaced by it), priced by the calibration.
+The live steps are timed with the clock of the calibration's engine section.
+The engine takes the policy's batch limits (`max_num_seqs`, and
+`max_num_batched_tokens` for chunked prefill), as the simulator does; prefix
+caching is on unless prefills are chunked (the engine cannot combine the two,
+so then only the simulator reuses prefix blocks).
+
+`BlockSizeCheck` holds the predicted and the measured metrics; the relative
+error is predicted / measured - 1 (against the mean of the live runs), and its
+noise is the spread of the live runs relative to their mean. Both sides rank
+the block sizes by `rank_by`; a pair of block sizes whose measured values
+differ by less than the run-to-run noise (the widest spread of any block
+size's live runs) is a tie and is not compared.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from blocktune.tuner.core.calibration import Calibration
+from blocktune.tuner.core.policy import Policy
+from blocktune.tuner.core.simulator import simulate
+from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.core.workload import Workload
+from blocktune.tuner.replay.live import serve_live
+from blocktune.tuner.replay.served_metrics import HIGHER_IS_BETTER, METRICS, ServedMetrics
+
+if TYPE_CHECKING:
+    from blocktune.runtime.model import LlamaModel
+
+__all__ = ["BlockSizeCheck", "Validation", "validate"]
+
+
+@dataclass(frozen=True)
+class BlockSizeCheck:
+    """One block size: the simulator's prediction and the live runs."""
+
+    block_size: int
+    predicted: ServedMetrics
+    measured_runs: tuple[ServedMetrics, ...]
+
+    @property
+    def measured(self) -> ServedMetrics:
+        return ServedMetrics.mean(self.measured_runs)
+
+    def error(self, metric: str) -> float:
+        """predicted / measured - 1 (0 when both are 0, nan when only the measurement is)."""
+        predicted, measured = getattr(self.predicted, metric), getattr(self.measured, metric)
+        if predicted == measured:
+            return 0.0
+        return predicted / measured - 1 if measured else math.nan
+
+    def noise(self, metric: str) -> float:
+        """Spread of the live runs over their mean (nan with one run or a zero mean)."""
+        values = [getattr(r, metric) for r in self.measured_runs]
+        mean = float(np.mean(values))
+        if len(values) < 2 or not mean:
+            return math.nan
+        return (max(values) - min(values)) / abs(mean)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Every block size's check on one workload, and how both sides rank them."""
+
+    trace: dict
+    setup: dict
+    checks: list[BlockSizeCheck]
+    rank_by: str
+
+    def ranking(self, side: str) -> list[int]:
+        """Block sizes best first by `rank_by`, as `side` ("predicted" or "measured") has it."""
+        sign = -1 if self.rank_by in HIGHER_IS_BETTER else 1
+        ordered = sorted(self.checks, key=lambda c: sign * getattr(getattr(c, side), self.rank_by))
+        return [c.block_size for c in ordered]
+
+    def noise(self, metric: str) -> float:
+        """The run-to-run noise of `metric`: the widest spread of the live runs of any block
+        size (0 with one run per block size)."""
+        return max(np.ptp([getattr(r, metric) for r in c.measured_runs]) for c in self.checks)
+
+    def compared_pairs(self) -> list[tuple[BlockSizeCheck, BlockSizeCheck]]:
+        """Pairs of block sizes whose measured `rank_by` differs by more than its noise."""
+        noise, metric = self.noise(self.rank_by), self.rank_by
+        return [
+            (a, b)
+            for i, a in enumerate(self.checks)
+            for b in self.checks[i + 1 :]
+            if abs(getattr(a.measured, metric) - getattr(b.measured, metric)) > noise
+        ]
+
+    @property
+    def rank_agreement(self) -> bool:
+        """Whether the prediction orders every pair beyond the noise as the measurement does."""
+        metric = self.rank_by
+        return all(
+            np.sign(getattr(a.predicted, metric) - getattr(b.predicted, metric))
+            == np.sign(getattr(a.measured, metric) - getattr(b.measured, metric))
+            for a, b in self.compared_pairs()
+        )
+
+    def median_abs_error(self, metric: str) -> float:
+        """The median over block sizes of |relative error| of `metric` (nan if none exists)."""
+        errors = [abs(c.error(metric)) for c in self.checks if not math.isnan(c.error(metric))]
+        return float(np.median(errors)) if errors else math.nan
+
+
+def validate(
+    workload: Workload,
+    policy: Policy,
+    model: LlamaModel,
+    calibration: Calibration,
+    block_sizes: tuple[int, ...],
+    *,
+    runs: int = 2,
+    rank_by: str = "tokens_per_s",
+    step_s: float | None = None,
+    seed: int = 0,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Validation:
+    """Serve `workload` live `runs` times and simulated once per block size (module doc).
+    Requests longer than the smallest pool or the model's positions are left out.
+
+    `step_s` replaces both sides' step times by a constant (a deterministic comparison
+    of their scheduling). Raises `CalibrationError` for a calibration that cannot price
+    the model or a block size."""
+    from blocktune.tuner.core.engine_measure import STEP_CLOCKS, check_clock, model_shape
+
+    if runs < 1 or rank_by not in METRICS:
+        raise ValueError(f"need runs >= 1 and rank_by among {METRICS}, got {runs}, {rank_by!r}")
+    if policy.engine != "blocktune":
+        raise ValueError(f"the live side is blocktune's engine; the policy models {policy.engine}")
+    calibration.require(block_sizes)
+    clock = calibration.engine.clock if calibration.engine is not None else "wall"
+    check_clock(clock, model)
+    served = Policy.model_validate(
+        {**dict(policy), "model": model_shape(model), "candidates": block_sizes}
+    )
+    server = StepCostModel(served, calibration, step_s)
+    limit = min(
+        model.config.max_position_embeddings, *(server.capacity_slots(b) for b in block_sizes)
+    )
+    kept = workload.without_longer_than(limit)
+    checks = []
+    for block_size in served.candidates:
+        progress(f"B={block_size}: simulating")
+        predicted = ServedMetrics.of(kept, simulate(kept, server, block_size))
+        measured = []
+        for i in range(runs):
+            progress(f"B={block_size}: live run {i + 1} of {runs}")
+            engine = _engine(model, server, block_size, kept)
+            live = serve_live(engine, kept, step_s=step_s, timer=STEP_CLOCKS[clock], seed=seed)
+            measured.append(ServedMetrics.of(kept, live))
+        checks.append(BlockSizeCheck(block_size, predicted, tuple(measured)))
+    trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
+    setup = {
+        "kv_budget_bytes": int(served.kv_budget),
+        "pool_blocks": {b: server.num_blocks(b) for b in served.candidates},
+        "calibration": calibration.describe(),
+        "runs": runs,
+    }
+    return Validation(trace=trace, setup=setup, checks=checks, rank_by=rank_by)
+
+
+def _engine(model: LlamaModel, server: StepCostModel, block_size: int, workload: Workload):
+    """A fresh engine with the simulator's pool at `block_size` and the policy's batch limits
+    (Triton attention on CUDA, torch elsewhere, as `blocktune calibrate` measures)."""
+    from blocktune.runtime.engine import Engine, EngineConfig
+
+    policy = server.policy
+    return Engine(
+        model,
+        EngineConfig(
+            block_size=block_size,
+            num_blocks=server.num_blocks(block_size),
+            max_num_seqs=policy.max_num_seqs,
+            max_num_batched_tokens=policy.max_num_batched_tokens,
+            max_model_len=int(workload.total_tokens.max()),
+            attention_backend="triton" if model.device.type == "cuda" else "torch",
+            enable_prefix_caching=policy.max_num_batched_tokens is None,
+            candidate_block_sizes=(block_size,),
+        ),
+    )

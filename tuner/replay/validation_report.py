@@ -1,0 +1,118 @@
+"""The fidelity check as a fixed-width table and as JSON.
+
+The JSON object is ``{"trace", "setup", "rank_by", "results", "rank_agreement",
+"median_abs_error"}``; each result has ``block_size``, ``predicted`` and
+``measured`` (the mean of the live runs), each with the keys of `METRICS`,
+plus ``measured_runs``, ``relative_error`` and ``noise`` per metric. Numbers
+that do not exist (an error against nothing) are null.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+from blocktune.tuner.core.jsonable import to_jsonable
+from blocktune.tuner.replay.served_metrics import METRICS
+from blocktune.tuner.replay.validation import Validation
+
+__all__ = ["GOAL_METRICS", "format_validation_table", "validation_dict", "write_validation"]
+
+GOAL_METRICS = ("tokens_per_s", "tpot_p50_s", "ttft_p99_s")
+"""The metrics whose median error the summary line reports."""
+
+_HEADINGS = {
+    "tokens_per_s": ("tok/s", "", 1.0, "{:.1f}"),
+    "ttft_p50_s": ("TTFT p50", "ms", 1e3, "{:.2f}"),
+    "ttft_p99_s": ("TTFT p99", "ms", 1e3, "{:.2f}"),
+    "tpot_p50_s": ("TPOT p50", "ms", 1e3, "{:.3f}"),
+    "tpot_p99_s": ("TPOT p99", "ms", 1e3, "{:.3f}"),
+    "peak_kv_blocks": ("peak KV", "blocks", 1.0, "{:.1f}"),
+    "preemptions": ("preempt", "", 1.0, "{:.1f}"),
+}
+
+
+def validation_dict(validation: Validation) -> dict:
+    """The check as plain JSON types (see the module docstring)."""
+    results = [
+        {
+            "block_size": c.block_size,
+            "predicted": asdict(c.predicted),
+            "measured": asdict(c.measured),
+            "measured_runs": [asdict(r) for r in c.measured_runs],
+            "relative_error": {m: c.error(m) for m in METRICS},
+            "noise": {m: c.noise(m) for m in METRICS},
+        }
+        for c in validation.checks
+    ]
+    return to_jsonable(
+        {
+            "trace": validation.trace,
+            "setup": validation.setup,
+            "rank_by": validation.rank_by,
+            "results": results,
+            "rank_agreement": validation.rank_agreement,
+            "median_abs_error": {m: validation.median_abs_error(m) for m in METRICS},
+        }
+    )
+
+
+def write_validation(validation: Validation, path: Path) -> None:
+    """Write `validation_dict(validation)` to `path` (indented, strict JSON)."""
+    text = json.dumps(validation_dict(validation), indent=2, allow_nan=False)
+    path.write_text(text + "\n", encoding="utf-8")
+
+
+def _percent(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:+.1%}"
+
+
+def format_validation_table(validation: Validation) -> str:
+    """Per block size: predicted, measured, relative error and (with 2+ runs) noise rows;
+    then both rankings and the median errors of `GOAL_METRICS`."""
+    widths = [max(9, len(_HEADINGS[m][0]) + 1) for m in METRICS]
+    lines = [
+        f"{'B':>4}  {'':<9}"
+        + "".join(f"{_HEADINGS[m][0]:>{w}}" for m, w in zip(METRICS, widths, strict=True)),
+        f"{'':>4}  {'':<9}"
+        + "".join(f"{_HEADINGS[m][1]:>{w}}" for m, w in zip(METRICS, widths, strict=True)),
+    ]
+    for check in validation.checks:
+        rows = [
+            ("predicted", [_value(m, getattr(check.predicted, m)) for m in METRICS]),
+            ("measured", [_value(m, getattr(check.measured, m)) for m in METRICS]),
+            ("error", [_percent(check.error(m)) for m in METRICS]),
+        ]
+        if len(check.measured_runs) > 1:
+            rows.append(("noise", [_percent(check.noise(m)).lstrip("+") for m in METRICS]))
+        for i, (label, cells) in enumerate(rows):
+            size = str(check.block_size) if i == 0 else ""
+            lines.append(
+                f"{size:>4}  {label:<9}"
+                + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
+            )
+    lines.append(_ranking_line(validation))
+    errors = ", ".join(
+        f"{_HEADINGS[m][0]} {validation.median_abs_error(m):.1%}" for m in GOAL_METRICS
+    )
+    lines.append(f"median |error| over block sizes: {errors}")
+    return "\n".join(lines)
+
+
+def _value(metric: str, value: float) -> str:
+    _, _, scale, fmt = _HEADINGS[metric]
+    return "-" if math.isnan(value) else fmt.format(value * scale)
+
+
+def _ranking_line(validation: Validation) -> str:
+    name = _HEADINGS[validation.rank_by][0]
+    predicted = " ".join(map(str, validation.ranking("predicted")))
+    measured = " ".join(map(str, validation.ranking("measured")))
+    verdict = "agree" if validation.rank_agreement else "disagree"
+    compared = len(validation.compared_pairs())
+    return (
+        f"ranking by {name}, best first: predicted {predicted}, measured {measured}: {verdict} "
+        f"on the {compared} pair(s) that differ beyond the run-to-run noise"
+    )
