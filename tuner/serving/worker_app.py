@@ -223,8 +223,9 @@ async def _stream(prepared: Prepared, first: tuple, rest, include_usage: bool):
 
 
 async def _drain(items) -> None:
+    """Consume an async iterator to its end."""
     async for _ in items:
-        pass
+        continue
 
 
 async def _unless_gone(work, request: Request) -> None:
