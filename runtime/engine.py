@@ -61,6 +61,7 @@ __all__ = [
     "RequestOutput",
     "RequestTooLarge",
     "SamplingParams",
+    "TokenLogprob",
 ]
 
 BACKENDS = ("torch", "triton")
@@ -136,6 +137,8 @@ class SamplingParams:
     """How to pick tokens: greedy at temperature 0, else top-p sampling from a seeded generator.
 
     A request stops at any of `stop_token_ids` and, unless `ignore_eos`, at the model's EOS ids.
+    With `logprobs` set, each output carries the sampled token's log-probability under the
+    model (before temperature and top-p) and the `logprobs` most likely tokens'.
     """
 
     max_tokens: int = 16
@@ -144,17 +147,27 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the most likely tokens at its position."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What a step produced for one request."""
+    """What a step produced for one request (`logprob` of the new token when asked for)."""
 
     request_id: int
     new_token_ids: list[int]
     token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -301,6 +314,8 @@ class Engine:
             raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
         if params.seed is not None and not 0 <= params.seed < 2**63:
             raise RequestError(f"seed must be in [0, 2**63), got {params.seed}")
+        if params.logprobs is not None and not 0 <= params.logprobs <= vocab:
+            raise RequestError(f"logprobs must be in [0, {vocab}], got {params.logprobs}")
         stored = self._max_stored_tokens(len(prompt), params)
         needed = -(-stored // self.block_size)
         if needed > self.blocks.num_blocks:
@@ -308,6 +323,12 @@ class Engine:
                 f"the request can hold up to {stored} tokens ({needed} blocks of "
                 f"{self.block_size}) but the pool has only {self.blocks.num_blocks} blocks"
             )
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens, prompt and output together, that one request can reach:
+        `max_model_len`, or fewer when the KV pool is smaller (its last token needs no slot)."""
+        return min(self.config.max_model_len, self.kv.num_slots + 1)
 
     def _max_stored_tokens(self, prompt_tokens: int, params: SamplingParams) -> int:
         """The most tokens a request ever holds KV for (its last token never needs a slot)."""
@@ -463,7 +484,10 @@ class Engine:
             backend=self.config.attention_backend,
         )
         tokens = self._sample_batch(sampled, logits)
-        return [self._accept(r, t) for r, t in zip(sampled, tokens, strict=True)]
+        return [
+            self._accept(r, t, logits[i])
+            for i, (r, t) in enumerate(zip(sampled, tokens, strict=True))
+        ]
 
     # ------------------------------------------------------------------ block-size swaps
     def _align(self, block_size: int) -> int:
@@ -581,7 +605,7 @@ class Engine:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         return torch.multinomial(probs, 1, generator=request.generator)[:, 0].tolist()
 
-    def _accept(self, request: _Request, token: int) -> RequestOutput:
+    def _accept(self, request: _Request, token: int, logits: torch.Tensor) -> RequestOutput:
         request.output.append(token)
         params = request.params
         reason = None
@@ -595,7 +619,10 @@ class Engine:
             reason = "length"
         if reason is not None:
             self._finish(request, reason)
-        return RequestOutput(request.id, [token], list(request.output), reason is not None, reason)
+        logprob = None if params.logprobs is None else _logprob(logits, token, params.logprobs)
+        return RequestOutput(
+            request.id, [token], list(request.output), reason is not None, reason, logprob
+        )
 
     def _finish(self, request: _Request, reason: str) -> None:
         self._running.remove(request)
@@ -640,3 +667,12 @@ class Engine:
             "swap_bytes_moved": self._swap_bytes_moved,
             "last_swap_pause_s": self.swap_history[-1].pause_s if self.swap_history else 0.0,
         }
+
+
+def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under `logits [vocab]` and the `top` most likely tokens'."""
+    logprobs = logits.float().log_softmax(-1)
+    values, ids = logprobs.topk(top)
+    return TokenLogprob(
+        float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True))
+    )

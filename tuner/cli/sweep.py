@@ -41,8 +41,13 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     except (ConfigError, CalibrationError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    traces = len(dict.fromkeys(p.trace for p in points))
-    print(f"sweep: {len(points)} points ({traces} traces x policies x settings)", flush=True)
+    counts = [len({getattr(p, part) for p in points}) for part in ("trace", "policy_name")]
+    settings = len(points) // (counts[0] * counts[1])
+    print(
+        f"sweep: {len(points)} points: {counts[0]} traces x {counts[1]} policies x "
+        f"{settings} settings",
+        flush=True,
+    )
     try:
         with dask_client(args.scheduler, args.workers) as client:
             workers = len(client.scheduler_info()["workers"])

@@ -44,8 +44,8 @@ def run_validate(args: argparse.Namespace) -> int:
     TTFT and TPOT p50/p99, peak KV blocks and preemptions with their relative errors, and
     whether both rank the block sizes the same way."""
     from blocktune.tuner.cli._common import (
-        load_model_from_args,
         load_policy_and_calibration,
+        load_shaped_model_from_args,
         load_trace_or_day,
     )
     from blocktune.tuner.core.workload import Workload
@@ -63,7 +63,7 @@ def run_validate(args: argparse.Namespace) -> int:
         policy, calibration = load_policy_and_calibration(args.policy, args.calibration)
         frame, label = load_trace_or_day(args)
         workload = Workload.from_frame(frame.sort_values("arrival_s").head(args.requests))
-        model, name = load_model_from_args(args, device=args.device)
+        model, name = load_shaped_model_from_args(args, device=args.device)
         block_sizes = tuple(args.block_sizes or policy.candidates)
         calibration = _engine_calibration(args, calibration, model, name, block_sizes, progress)
         if args.json != "-":

@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blocktune.tuner.cli._common import add_engine_arguments, load_model_from_args
+from blocktune.tuner.cli._common import (
+    add_engine_arguments,
+    engine_config_from_args,
+    load_model_from_args,
+)
 from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES, DEFAULT_TOKEN_ENV
 
 __all__ = ["register"]
@@ -40,7 +44,7 @@ def run_worker(args: argparse.Namespace) -> int:
     """Load the model, start the engine loop and serve until SIGINT/SIGTERM."""
     import logging
 
-    from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.engine import Engine
     from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.model import ModelLoadError
     from blocktune.tuner.core.config_files import ConfigError
@@ -59,29 +63,35 @@ def run_worker(args: argparse.Namespace) -> int:
     token = token_from_env(token_env)
     try:
         check_bind(args.host, token)
-        model, _ = load_model_from_args(args, device=args.device)
-        engine = Engine(
-            model,
-            EngineConfig(
-                block_size=args.block_size,
-                kv_bytes=args.kv_bytes,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len,
-                attention_backend=args.backend,
-                candidate_block_sizes=tuple(sorted({*candidates, args.block_size})),
-            ),
-        )
+        loaded = load_model_from_args(args)
+        config = engine_config_from_args(args, candidates, kv_bytes=args.kv_bytes)
+        engine = Engine(loaded.model, config)
     except (InsecureBind, ModelLoadError, ValueError) as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
+    logging.getLogger("blocktune.worker").info(
+        "serving %s: at most %d tokens a request (max_model_len %d, a KV pool of %d tokens)",
+        args.served_model_name or args.model,
+        engine.max_request_tokens,
+        engine.config.max_model_len,
+        engine.kv.num_slots,
+    )
     loop = EngineLoop(engine)
     pusher = None
     if args.sidecar:
         pusher = LengthPusher(args.sidecar, token_from_env(args.sidecar_token_env))
         engine.add_listener(pusher.observe)
         pusher.start()
-    serve_worker(loop, host=args.host, port=args.port, token=token, pusher=pusher, server=server)
+    serve_worker(
+        loop,
+        model_name=args.served_model_name or args.model,
+        tokenizer=loaded.tokenizer,
+        host=args.host,
+        port=args.port,
+        token=token,
+        pusher=pusher,
+        server=server,
+    )
     return 0
 
 
@@ -91,15 +101,24 @@ def register(commands: argparse._SubParsersAction) -> None:
         "worker",
         help="serve completions on the paged engine, with live block-size swaps",
         description=(
-            "An HTTP worker around blocktune's continuous-batching engine: POST "
-            "/v1/completions, POST /admin/block-size (bearer token), GET /admin/state, "
-            "/metrics and /healthz. With --sidecar, finished request lengths are pushed "
-            "to a blocktune sidecar."
+            "An HTTP worker around blocktune's continuous-batching engine with an "
+            "OpenAI-compatible API: GET /v1/models, POST /v1/completions and "
+            "/v1/chat/completions (streaming with stream: true); POST /admin/block-size "
+            "(bearer token), GET /admin/state, /metrics (Prometheus) and /healthz. With "
+            "--sidecar, finished request lengths are pushed to a blocktune sidecar."
         ),
     )
     add_engine_arguments(parser, max_num_seqs=64)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's id in the API, which requests' model field must match "
+        "(default: the --model value)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
+    )
+    parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     parser.add_argument(
         "--policy",
         default=None,
@@ -116,7 +135,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         "(default: the policy's, else 8 16 32 64 128)",
     )
     parser.add_argument(
-        "--kv-bytes", type=parse_bytes, default=64 * 2**20, help="KV pool size (default 64MiB)"
+        "--kv-bytes",
+        type=parse_bytes,
+        default=64 * 2**20,
+        help="KV pool size, e.g. 64MiB or 1GiB (default: 64MiB)",
     )
     parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
     parser.add_argument(
@@ -128,6 +150,6 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--sidecar-token-env",
         default=DEFAULT_TOKEN_ENV,
-        help="environment variable holding the sidecar's bearer token",
+        help="environment variable holding the sidecar's bearer token (default: %(default)s)",
     )
     parser.set_defaults(handler=run_worker)

@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -322,21 +323,13 @@ def replay(
     policy: Policy,
     calibration: Calibration,
     *,
-    label: str = "trace",
-    initial_block_size: int | None = None,
-    fixed_step_s: float | None = None,
     progress: bool = False,
+    **options: Any,
 ) -> ReplayReport:
-    """Replay `frame` under every policy, one after another in this process; see the module
-    doc and `plan_replay`. `progress` shows a tqdm bar per policy."""
-    plan = plan_replay(
-        frame,
-        policy,
-        calibration,
-        label=label,
-        initial_block_size=initial_block_size,
-        fixed_step_s=fixed_step_s,
-    )
+    """Replay `frame` under every policy, one after another in this process: the plan of
+    `plan_replay` with `options` (`label`, `initial_block_size`, `fixed_step_s`), every play
+    and the report. `progress` shows a tqdm bar per policy."""
+    plan = plan_replay(frame, policy, calibration, **options)
     played = {name: plan.play(name, progress=progress) for name in plan.names[:-1]}
     played[ORACLE] = plan.play_oracle(plan.oracle_schedule(played), progress=progress)
     return plan.report(played)

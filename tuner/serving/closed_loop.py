@@ -5,7 +5,10 @@ processes on loopback, drives a compressed customer-service day through the
 worker (daytime mix, then a promotion burst of short queries, then the daytime
 mix again), prints one line per sidecar interval, and finally serves every
 prompt again on an in-process engine that never swaps, to show that the
-swaps changed no generated token.
+swaps changed no generated token. With a real model (`smollm2`) the traffic
+is customer-service chat through `/v1/chat/completions` and a few of the
+exchanges are printed; `tiny-random` sends token-id prompts to
+`/v1/completions`.
 """
 
 from __future__ import annotations
@@ -28,48 +31,67 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pandas as pd
+import torch
 import yaml
 
+from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.loading import TINY_RANDOM, load_pretrained, resolve_source
+from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.traces.synth import Phase, customer_service_day
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_POLICY
 from blocktune.tuner.core.policy import policy_path
+from blocktune.tuner.serving.demo_chat import chat_messages
 
 __all__ = ["ClosedLoopReport", "demo_policy", "demo_workload", "run_closed_loop"]
 
 TOKEN_ENV = "BLOCKTUNE_DEMO_TOKEN"
+EXCHANGES = 4  # real exchanges printed after a chat run
 
 
-def demo_workload(seed: int, duration_s: float, rate_per_s: float) -> pd.DataFrame:
+def demo_workload(
+    seed: int, duration_s: float, rate_per_s: float, tokenizer: Tokenizer | None = None
+) -> pd.DataFrame:
     """Daytime mix -> promotion burst -> daytime mix, each a third of `duration_s`.
 
-    Adds `prompt_ids` (seeded random token ids of each prompt's length).
+    Without a tokenizer, `prompt_ids` are seeded random token ids of each
+    prompt's length, and a few 400-token documents come with the daytime mix.
+    With one, every request is a customer-service chat (`messages`) whose
+    `prompt_ids` are its chat template; `output_tokens` is its max_tokens.
     """
-    phases = (
-        Phase("day", 0.0, 8.0, rate_per_s, (60, 90), (20, 60)),
-        Phase("document", 0.0, 8.0, rate_per_s / 25, (400, 460), (50, 60)),
-        Phase("promo", 8.0, 16.0, 3 * rate_per_s, (15, 25), (8, 24)),
-        Phase("day", 16.0, 24.0, rate_per_s, (60, 90), (20, 60)),
-        Phase("document", 16.0, 24.0, rate_per_s / 25, (400, 460), (50, 60)),
-    )
+
+    def daytime(start_h: float, end_h: float) -> list[Phase]:
+        mix = [Phase("day", start_h, end_h, rate_per_s, (60, 90), (20, 60))]
+        if tokenizer is None:
+            mix.append(Phase("document", start_h, end_h, rate_per_s / 25, (400, 460), (50, 60)))
+        return mix
+
+    promo = Phase("promo", 8.0, 16.0, 3 * rate_per_s, (15, 25), (8, 24))
+    phases = (*daytime(0.0, 8.0), promo, *daytime(16.0, 24.0))
     # The phases' rates are per second of a 24-hour day; compress it into duration_s.
     day = customer_service_day(
         seed, duration_s=duration_s, rate_scale=duration_s / 86_400.0, phases=phases
     )
     rng = np.random.default_rng(seed + 1)
-    day["prompt_ids"] = [rng.integers(0, 256, n).tolist() for n in day.prompt_tokens]
+    if tokenizer is None:
+        day["prompt_ids"] = [rng.integers(0, 256, n).tolist() for n in day.prompt_tokens]
+        return day
+    day["messages"] = [chat_messages(phase, rng) for phase in day.phase]
+    day["prompt_ids"] = [tokenizer.apply_chat_template(m) for m in day.messages]
+    day["prompt_tokens"] = [len(ids) for ids in day.prompt_ids]
     return day
 
 
-def demo_policy(worker_url: str, interval_s: float) -> dict:
-    """The default policy, deciding every `interval_s` over a short window and enforcing
-    its choice on the worker through the HTTP actuator."""
+def demo_policy(worker_url: str, interval_s: float, window: dict | None = None) -> dict:
+    """The default policy, deciding every `interval_s` over a short `window` (capacity and
+    min_samples; 60 and 20 by default) and enforcing its choice on the worker through
+    the HTTP actuator."""
     policy = yaml.safe_load(policy_path(DEFAULT_POLICY).read_text(encoding="utf-8"))
     policy.update(
         {
             "deployment": "closed-loop-demo",
             "interval": f"{interval_s:g}s",
             "min_dwell": f"{2 * interval_s:g}s",
-            "window": {"capacity": 60, "min_samples": 20},
+            "window": window or {"capacity": 60, "min_samples": 20},
             # A KV budget the promotion burst fills, so that there the block size matters.
             "kv_budget": "64MiB",
             "mode": "enforce",
@@ -121,6 +143,8 @@ class ClosedLoopReport:
     requests: int = 0
     failed: int = 0
     completions: dict[int, list[int]] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)
+    traffic_s: float = 0.0
     swaps: list[dict] = field(default_factory=list)
     timeline: list[dict] = field(default_factory=list)
     identical: int = 0
@@ -133,15 +157,29 @@ class ClosedLoopReport:
         return sum(s["status"] == "done" for s in self.swaps)
 
     @property
+    def tokens_per_s(self) -> float:
+        """Tokens generated per second of traffic."""
+        generated = sum(map(len, self.completions.values()))
+        return generated / self.traffic_s if self.traffic_s else 0.0
+
+    @property
     def ok(self) -> bool:
         return self.failed == 0 and self.verified == self.identical == self.requests
 
 
-def _send(url: str, row: pd.Series) -> list[int]:
-    body = {"prompt_ids": row.prompt_ids, "max_tokens": int(row.output_tokens)}
-    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+def _send(url: str, row: pd.Series) -> tuple[list[int], str]:
+    """One greedy request: a chat when the row has messages, else a token-id completion;
+    its token ids and text."""
+    body = {"max_tokens": int(row.output_tokens), "temperature": 0}
+    if "messages" in row:
+        path, body = "chat/completions", {**body, "messages": row.messages}
+    else:
+        path, body = "completions", {**body, "prompt_ids": row.prompt_ids}
+    response = httpx.post(f"{url}/v1/{path}", json=body, timeout=300)
     response.raise_for_status()
-    return response.json()["token_ids"]
+    choice = response.json()["choices"][0]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return choice["token_ids"], text
 
 
 def _drive(url: str, workload: pd.DataFrame, report: ClosedLoopReport) -> threading.Thread:
@@ -158,9 +196,11 @@ def _drive(url: str, workload: pd.DataFrame, report: ClosedLoopReport) -> thread
                 futures[pool.submit(_send, url, row)] = index
             for future in concurrent.futures.as_completed(futures):
                 try:
-                    report.completions[futures[future]] = future.result()
+                    index = futures[future]
+                    report.completions[index], report.texts[index] = future.result()
                 except httpx.HTTPError:
                     report.failed += 1
+        report.traffic_s = time.monotonic() - start
 
     thread = threading.Thread(target=run, name="demo-traffic", daemon=True)
     thread.start()
@@ -170,13 +210,14 @@ def _drive(url: str, workload: pd.DataFrame, report: ClosedLoopReport) -> thread
 def _live_line(
     elapsed: float, workload: pd.DataFrame, worker_url: str, sidecar_url: str, seen: int
 ) -> tuple[str, dict, list[dict]]:
-    state = httpx.get(f"{worker_url}/admin/state", timeout=5).json()
-    recommendation = httpx.get(f"{sidecar_url}/v1/recommendation", timeout=5).json()
+    state = httpx.get(f"{worker_url}/admin/state", timeout=60).json()
+    recommendation = httpx.get(f"{sidecar_url}/v1/recommendation", timeout=60).json()
+    window = httpx.get(f"{sidecar_url}/v1/window", timeout=60).json()
     # The worker keeps only its latest swaps: count the new ones from its totals.
     total = sum(state[f"swaps_{status}"] for status in ("done", "rejected", "rolled_back"))
     new_swaps = state["swap_history"][len(state["swap_history"]) - (total - seen) :]
     recent = workload[(workload.arrival_s > elapsed - 5) & (workload.arrival_s <= elapsed)]
-    median = float((recent.prompt_tokens + recent.output_tokens).median()) if len(recent) else 0
+    median = window["total_tokens"]["median"] if window["count"] else None
     swap_text = "-"
     if new_swaps:
         last = new_swaps[-1]
@@ -193,15 +234,55 @@ def _live_line(
         "blocks_used": state["blocks_used"],
     }
     line = (
-        f"{elapsed:6.1f}s  {point['rate_per_s']:5.1f} req/s  median len {median:5.0f}  "
+        f"{elapsed:6.1f}s  {point['rate_per_s']:5.1f} req/s  "
+        f"window median len {'-' if median is None else f'{median:.0f}':>5}  "
         f"recommend {point['recommended']!s:>4}  block size {state['block_size']:>3}  "
         f"blocks used {state['blocks_used']:>4}  swap {swap_text}"
     )
     return line, point, new_swaps
 
 
+@dataclass(frozen=True)
+class _Services:
+    """The worker and sidecar processes of one run, their URLs, arguments and folder."""
+
+    folder: Path
+    env: dict
+    worker_url: str
+    sidecar_url: str
+    worker_args: list[str]
+    sidecar_args: list[str]
+
+
+def _services(folder: Path, model: str, seed: int, kv_bytes: str, interval_s: float) -> _Services:
+    token = secrets.token_urlsafe(24)
+    # One intra-op thread per process: three processes share a small machine, often with
+    # other work, and a second thread waiting for a core slows every matmul several-fold
+    # (42x576x1536 in fp32: 5.5 ms with two threads, 0.9 ms with one, on a loaded 2-core CPU).
+    env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    worker_url = f"http://127.0.0.1:{_free_port()}"
+    sidecar_url = f"http://127.0.0.1:{_free_port()}"
+    cli = [sys.executable, "-m", "blocktune.tuner.cli"]
+    policy = folder / "policy.yaml"
+    # A real model's answers are shorter and slower to come: a smaller window follows the
+    # shift with fewer requests.
+    window = None if model == TINY_RANDOM else {"capacity": 30, "min_samples": 15}
+    policy.write_text(yaml.safe_dump(demo_policy(worker_url, interval_s, window)))
+    worker_args = [
+        *cli, "worker", "--model", model, "--port", worker_url.rsplit(":", 1)[1],
+        "--seed", str(seed), "--block-size", str(DEFAULT_BLOCK_SIZE), "--kv-bytes", kv_bytes,
+        "--token-env", TOKEN_ENV, "--sidecar", sidecar_url, "--sidecar-token-env", TOKEN_ENV,
+    ]  # fmt: skip
+    sidecar_args = [
+        *cli, "serve", "--policy", str(policy), "--port", sidecar_url.rsplit(":", 1)[1],
+        "--state-file", str(folder / "sidecar-state.json"),
+    ]  # fmt: skip
+    return _Services(folder, env, worker_url, sidecar_url, worker_args, sidecar_args)
+
+
 def run_closed_loop(
     *,
+    model: str = TINY_RANDOM,
     duration_s: float = 60.0,
     interval_s: float = 4.0,
     rate_per_s: float = 2.0,
@@ -215,90 +296,128 @@ def run_closed_loop(
     With `restart_sidecar_at_s`, the sidecar is stopped (SIGTERM) at that time and
     started again on the same state file while traffic continues.
     """
-    workload = demo_workload(seed, duration_s, rate_per_s)
-    report = ClosedLoopReport(requests=len(workload))
-    token = secrets.token_urlsafe(24)
-    # One intra-op thread each: the tiny model gains nothing from more, and three
-    # processes sharing a small machine would otherwise oversubscribe its cores.
-    env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    worker_url = f"http://127.0.0.1:{_free_port()}"
-    sidecar_url = f"http://127.0.0.1:{_free_port()}"
-    cli = [sys.executable, "-m", "blocktune.tuner.cli"]
+    resolve_source(model)  # a missing model fails here, before any process starts
     with tempfile.TemporaryDirectory(prefix="blocktune-demo-") as folder:
-        folder = Path(folder)
-        policy_path = folder / "policy.yaml"
-        policy_path.write_text(yaml.safe_dump(demo_policy(worker_url, interval_s)))
-        worker_args = [
-            *cli, "worker", "--port", worker_url.rsplit(":", 1)[1], "--seed", str(seed),
-            "--block-size", str(DEFAULT_BLOCK_SIZE), "--kv-bytes", kv_bytes,
-            "--token-env", TOKEN_ENV, "--sidecar", sidecar_url, "--sidecar-token-env", TOKEN_ENV,
-        ]  # fmt: skip
-        sidecar_args = [
-            *cli, "serve", "--policy", str(policy_path), "--port", sidecar_url.rsplit(":", 1)[1],
-            "--state-file", str(folder / "sidecar-state.json"),
-        ]  # fmt: skip
-        out(
-            f"closed loop: {len(workload)} requests over {duration_s:.0f} s (daytime mix -> "
-            f"promotion burst -> daytime mix), sidecar deciding every {interval_s:g} s"
-        )
+        services = _services(Path(folder), model, seed, kv_bytes, interval_s)
         with contextlib.ExitStack() as stack:
-            worker = stack.enter_context(_process(worker_args, env, folder / "worker.log"))
-            sidecar = stack.enter_context(_process(sidecar_args, env, folder / "sidecar.log"))
-            _wait_healthy(worker_url, worker, folder / "worker.log", 120)
-            _wait_healthy(sidecar_url, sidecar, folder / "sidecar.log", 60)
-            out(f"worker {worker_url} (tiny-random model), sidecar {sidecar_url}")
-            start, grown = time.monotonic(), False
-            traffic = _drive(worker_url, workload, report)
-            while traffic.is_alive():
-                traffic.join(timeout=interval_s)
-                elapsed = time.monotonic() - start
-                if restart_sidecar_at_s is not None and elapsed >= restart_sidecar_at_s:
-                    restart_sidecar_at_s = None
-                    before = _window_count(sidecar_url)
-                    sidecar.send_signal(signal.SIGTERM)
-                    sidecar.wait(timeout=15)
-                    log = folder / "sidecar-restarted.log"
-                    sidecar = stack.enter_context(_process(sidecar_args, env, log))
-                    _wait_healthy(sidecar_url, sidecar, log, 60)
-                    report.restart = {"before": before, "after": _window_count(sidecar_url)}
-                    out(
-                        f"sidecar restarted: window held {before} requests before, "
-                        f"{report.restart['after']} after restoring its state file"
-                    )
-                if not grown and elapsed >= duration_s * 5 / 6:
-                    grown = True
-                    out(_operator_grow(worker_url, token))
-                line, point, new = _live_line(
-                    elapsed, workload, worker_url, sidecar_url, len(report.swaps)
-                )
-                report.timeline.append(point)
-                report.swaps.extend(new)
-                out(line)
-            state = httpx.get(f"{worker_url}/admin/state", timeout=5).json()
-            report.idle_blocks_used = state["blocks_used"]
+            log = services.folder / "worker.log"
+            worker = stack.enter_context(_process(services.worker_args, services.env, log))
+            sidecar = stack.enter_context(
+                _process(services.sidecar_args, services.env, services.folder / "sidecar.log")
+            )
+            loaded = load_pretrained(model, seed=seed)  # while the worker loads its own copy
+            chat = None if model == TINY_RANDOM else loaded.tokenizer
+            workload = demo_workload(seed, duration_s, rate_per_s, chat)
+            report = ClosedLoopReport(requests=len(workload))
+            out(
+                f"closed loop: {len(workload)} requests over {duration_s:.0f} s (daytime mix -> "
+                f"promotion burst -> daytime mix), sidecar deciding every {interval_s:g} s"
+            )
+            _wait_healthy(services.worker_url, worker, log, 300)
+            _wait_healthy(services.sidecar_url, sidecar, services.folder / "sidecar.log", 60)
+            kind = "chat through /v1/chat/completions" if chat else "token ids"
+            out(f"worker {services.worker_url} ({model}, {kind}), sidecar {services.sidecar_url}")
+            _serve_traffic(
+                services, stack, sidecar, workload, report, interval_s, restart_sidecar_at_s, out
+            )
     out(
         f"done: {len(report.completions)} completions, {report.failed} failed, "
+        f"{report.tokens_per_s:.1f} tokens/s, "
         f"{report.swaps_done} swaps ({', '.join(_swap_text(s) for s in report.swaps) or 'none'}), "
         f"{report.idle_blocks_used} blocks in use when idle"
     )
-    _verify(workload, report, seed, out)
+    if chat is not None:
+        _print_exchanges(workload, report, out)
+    _verify(workload, report, loaded, out)
     return report
 
 
-def _verify(workload: pd.DataFrame, report: ClosedLoopReport, seed: int, out) -> None:
-    """Count the completions identical to an engine that never swaps."""
-    from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
-    from blocktune.runtime.model import load_model
+def _serve_traffic(
+    services: _Services,
+    stack: contextlib.ExitStack,
+    sidecar: subprocess.Popen,
+    workload: pd.DataFrame,
+    report: ClosedLoopReport,
+    interval_s: float,
+    restart_sidecar_at_s: float | None,
+    out,
+) -> None:
+    """Drive the workload, print a line per interval (restarting the sidecar once if asked,
+    growing the blocks by hand at five sixths of the traffic) and record the swaps and the
+    blocks in use when idle."""
+    start, grown = time.monotonic(), False
+    grow_at_s = workload.arrival_s.max() * 5 / 6
+    traffic = _drive(services.worker_url, workload, report)
+    while traffic.is_alive():
+        traffic.join(timeout=interval_s)
+        elapsed = time.monotonic() - start
+        if restart_sidecar_at_s is not None and elapsed >= restart_sidecar_at_s:
+            restart_sidecar_at_s = None
+            sidecar = _restart_sidecar(services, stack, sidecar, report)
+            out(
+                f"sidecar restarted: window held {report.restart['before']} requests before, "
+                f"{report.restart['after']} after restoring its state file"
+            )
+        if not grown and elapsed >= grow_at_s:
+            grown = True
+            out(_operator_grow(services.worker_url, services.env[TOKEN_ENV]))
+        line, point, new = _live_line(
+            elapsed, workload, services.worker_url, services.sidecar_url, len(report.swaps)
+        )
+        report.timeline.append(point)
+        report.swaps.extend(new)
+        out(line)
+    state = httpx.get(f"{services.worker_url}/admin/state", timeout=60).json()
+    report.idle_blocks_used = state["blocks_used"]
 
+
+def _restart_sidecar(
+    services: _Services,
+    stack: contextlib.ExitStack,
+    sidecar: subprocess.Popen,
+    report: ClosedLoopReport,
+) -> subprocess.Popen:
+    before = _window_count(services.sidecar_url)
+    sidecar.send_signal(signal.SIGTERM)
+    sidecar.wait(timeout=15)
+    log = services.folder / "sidecar-restarted.log"
+    sidecar = stack.enter_context(_process(services.sidecar_args, services.env, log))
+    _wait_healthy(services.sidecar_url, sidecar, log, 60)
+    report.restart = {"before": before, "after": _window_count(services.sidecar_url)}
+    return sidecar
+
+
+def _print_exchanges(workload: pd.DataFrame, report: ClosedLoopReport, out) -> None:
+    """A few questions and the model's answers, from both phases."""
+    shown = 0
+    for phase in ("day", "promo"):
+        rows = [i for i in workload.index[workload.phase == phase] if i in report.texts]
+        for index in rows[: EXCHANGES // 2]:
+            question = workload.messages[index][-1]["content"]
+            answer = " ".join(report.texts[index].split())
+            out(f"  [{phase}] Q: {question}")
+            out(f"          A: {answer[:200]}{' ...' if len(answer) > 200 else ''}")
+            shown += 1
+    if not shown:
+        out("  (no exchange completed)")
+
+
+def _verify(workload: pd.DataFrame, report: ClosedLoopReport, loaded, out) -> None:
+    """Count the completions identical to an engine that never swaps."""
     out("verifying every completion against an engine that never swaps ...")
     engine = Engine(
-        load_model("tiny-random", seed=seed),
-        EngineConfig(block_size=DEFAULT_BLOCK_SIZE, num_blocks=8192, max_num_seqs=64),
+        loaded.model,
+        EngineConfig(block_size=DEFAULT_BLOCK_SIZE, kv_bytes=256 * 2**20, max_num_seqs=32),
     )
-    expected = engine.generate(
-        list(workload.prompt_ids),
-        [SamplingParams(max_tokens=int(n)) for n in workload.output_tokens],
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the worker ran (see _services)
+    try:
+        expected = engine.generate(
+            list(workload.prompt_ids),
+            [SamplingParams(max_tokens=int(n)) for n in workload.output_tokens],
+        )
+    finally:
+        torch.set_num_threads(threads)
     for index, output in enumerate(expected):
         if index in report.completions:
             report.verified += 1
@@ -324,7 +443,7 @@ def _operator_grow(worker_url: str, token: str) -> str:
 
 
 def _window_count(sidecar_url: str) -> int:
-    window = httpx.get(f"{sidecar_url}/v1/window", timeout=5).json()
+    window = httpx.get(f"{sidecar_url}/v1/window", timeout=60).json()
     return int(window["count"])
 
 

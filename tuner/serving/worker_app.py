@@ -1,16 +1,26 @@
-"""The engine as an HTTP worker: completions, live block-size swaps, metrics.
+"""The engine as an HTTP worker: OpenAI-compatible completions, live block-size swaps, metrics.
+
+| endpoint | what |
+| --- | --- |
+| `GET /v1/models` (`/v1/models/{id}`) | the model served |
+| `POST /v1/completions` | text or token-id prompts; streams server-sent events with `stream` |
+| `POST /v1/chat/completions` | messages in the model's chat template; streams too |
+| `POST /admin/block-size` | swap the KV block size at the next step boundary (token) |
+| `GET /admin/state`, `/metrics`, `/healthz` | engine state, Prometheus, liveness |
 
 One thread (`EngineLoop`) owns the engine and runs its steps; HTTP handlers
-hand requests, cancellations and swap requests to it and wait for the answer,
-so concurrent requests share the engine through continuous batching. Finished
-request lengths go to a `LengthPusher`, which posts them to a sidecar in
-batches from its own thread and never blocks generation.
+hand it requests, cancellations and swap requests, and stream its outputs
+back, so concurrent requests share the engine through continuous batching.
+Every refusal is an OpenAI error object. Finished request lengths go to a
+`LengthPusher`, which posts them to a sidecar in batches from its own thread
+and never blocks generation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import threading
 import time
@@ -19,24 +29,25 @@ from collections import deque
 import httpx
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blocktune.runtime.engine import (
-    FinishedRequest,
-    RequestError,
-    RequestOutput,
-    SamplingParams,
-)
-from blocktune.runtime.engine_loop import EngineLoop
+from blocktune.runtime.engine import FinishedRequest, RequestError
+from blocktune.runtime.engine_loop import EngineLoop, EngineStepFailed
 from blocktune.runtime.hot_swap import SwapResult
+from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.core.policy import ServerSettings
 from blocktune.tuner.operations import log_event
+from blocktune.tuner.serving.generation import Generation
 from blocktune.tuner.serving.http import BearerAuth, guarded_app, server_config
+from blocktune.tuner.serving.openai_api import OpenAIError, Prepared, ServedModel
+from blocktune.tuner.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from blocktune.tuner.serving.worker_metrics import WorkerMetrics
 
-__all__ = ["CompletionRequest", "LengthPusher", "create_worker_app", "serve_worker"]
+__all__ = ["LengthPusher", "create_worker_app", "serve_worker"]
 
 log = logging.getLogger("blocktune.worker")
 
@@ -126,156 +137,191 @@ class LengthPusher:
                     self.failures = 0
 
 
-class CompletionRequest(BaseModel):
-    """A completion: token ids (or a byte-level `prompt` string) and sampling settings."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompt_ids: list[int] | None = None
-    prompt: str | None = None
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop_token_ids: list[int] = []
-
-    @model_validator(mode="after")
-    def _one_prompt(self) -> CompletionRequest:
-        if (self.prompt_ids is None) == (self.prompt is None):
-            raise ValueError("give exactly one of prompt_ids and prompt")
-        return self
-
-    def token_ids(self) -> list[int]:
-        if self.prompt_ids is not None:
-            return self.prompt_ids
-        return list(self.prompt.encode("utf-8"))
-
-
 class BlockSizeRequest(BaseModel):
     """Body of `POST /admin/block-size`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     block_size: int
 
 
-class _EngineMetrics:
-    """A prometheus_client collector reading the engine loop's state at scrape time."""
+def _json(body: dict, status_code: int = 200, headers: dict | None = None) -> Response:
+    # ASCII-escaped, so no text (a lone surrogate included) can break the encoding.
+    return Response(
+        json.dumps(body, allow_nan=False), status_code, headers, media_type="application/json"
+    )
 
-    def __init__(self, loop: EngineLoop, pusher: LengthPusher | None) -> None:
-        self._loop = loop
-        self._pusher = pusher
 
-    def collect(self):
-        state = self._loop.state()
-        gauges = {
-            "block_size": "KV block size in tokens",
-            "running": "requests being decoded",
-            "waiting": "requests waiting for blocks",
-            "blocks_used": "KV blocks in use",
-            "blocks_free": "KV blocks free (including evictable cached blocks)",
-            "padding_slots": "allocated but unused KV slots",
-            "last_swap_pause_s": "pause of the last block-size swap in seconds",
-        }
-        for name, help_text in gauges.items():
-            yield GaugeMetricFamily(f"blocktune_worker_{name}", help_text, value=state[name])
-        counters = {
-            "preemptions": "requests preempted for recompute",
-            "completed": "completions finished",
-            "cancelled": "completions cancelled (client gone)",
-            "rejected": "completions rejected as invalid",
-            "swap_bytes_moved": "bytes copied by block-size swaps",
-        }
-        for name, help_text in counters.items():
-            yield CounterMetricFamily(f"blocktune_worker_{name}", help_text, value=state[name])
-        swaps = CounterMetricFamily(
-            "blocktune_worker_swaps", "block-size swaps by outcome", labels=["status"]
+def _sse(body: dict | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body, allow_nan=False)}\n\n"
+
+
+def _refusal(error: Exception) -> OpenAIError:
+    """The error object for an exception that ended an engine job."""
+    if isinstance(error, RequestError):
+        return OpenAIError(400, str(error))
+    return OpenAIError(503, str(error), type="server_error")
+
+
+def _validation_error(_: Request, error: RequestValidationError) -> Response:
+    """422 naming each bad field; the input itself is never echoed (NaN or a lone surrogate
+    cannot be written as JSON)."""
+    problems = [
+        (".".join(str(part) for part in e["loc"] if part != "body") or "body", e["msg"])
+        for e in error.errors()
+    ]
+    message = "; ".join(f"{where}: {what}" for where, what in problems[:5])
+    param = problems[0][0] if problems else None
+    return _json(OpenAIError(422, message or "invalid request", param=param).body, 422)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in OpenAI's error shape, whatever raised it."""
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, error: OpenAIError) -> Response:
+        return _json(error.body, error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> Response:
+        kind = "server_error" if error.status_code >= 500 else "invalid_request_error"
+        body = OpenAIError(error.status_code, str(error.detail), type=kind).body
+        return _json(body, error.status_code, error.headers)
+
+    app.add_exception_handler(RequestValidationError, _validation_error)
+
+
+async def _choices(prepared: Prepared, generation: Generation):
+    """`(index, text delta, log-probabilities)` of each output, ending choices at stop strings."""
+    async for index, output in generation.outputs():
+        choice = prepared.choices[index]
+        delta = choice.feed(output)
+        if choice.finish_reason is not None:
+            generation.finish(index, choice.finish_reason)
+        yield index, delta, [output.logprob] if output.logprob is not None else []
+
+
+async def _stream(prepared: Prepared, first: tuple, rest, include_usage: bool):
+    """Server-sent events: a chunk per output that says something, then usage and [DONE]."""
+    started: set[int] = set()
+
+    def chunk(index: int, delta: str, logprobs: list) -> str:
+        is_first = index not in started
+        started.add(index)
+        return _sse(prepared.chunk(index, delta, logprobs, is_first))
+
+    yield chunk(*first)
+    try:
+        async for index, delta, logprobs in rest:
+            if delta or logprobs or prepared.choices[index].finish_reason or index not in started:
+                yield chunk(index, delta, logprobs)
+    except (RequestError, EngineStepFailed) as error:
+        yield _sse(_refusal(error).body)
+    if include_usage:
+        yield _sse(prepared.usage_chunk())
+    yield _sse("[DONE]")
+
+
+async def _drain(items) -> None:
+    """Consume an async iterator to its end."""
+    async for _ in items:
+        continue
+
+
+async def _unless_gone(work, request: Request) -> None:
+    """Await `work`, cancelling it (and so its engine jobs) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.1)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            raise OpenAIError(499, "client disconnected")
+    task.result()
+
+
+async def _swap(loop: EngineLoop, size: int) -> dict:
+    """Swap the engine's block size at its next step boundary: 422 for a size that is not a
+    candidate, else the swap's result (done, rejected or rolled back)."""
+    candidates = loop.engine.config.candidate_block_sizes
+    if size not in candidates:
+        raise OpenAIError(
+            422,
+            f"block_size {size} is not one of this worker's candidate block sizes "
+            f"{list(candidates)}",
+            param="block_size",
         )
-        for status in ("done", "rejected", "rolled_back"):
-            swaps.add_metric([status], state[f"swaps_{status}"])
-        yield swaps
-        if self._pusher is not None:
-            yield CounterMetricFamily(
-                "blocktune_worker_lengths_dropped",
-                "finished lengths dropped because the sidecar backlog was full",
-                value=self._pusher.dropped,
-            )
-            yield GaugeMetricFamily(
-                "blocktune_worker_lengths_backlog",
-                "finished lengths waiting to be pushed to the sidecar",
-                value=self._pusher.backlog(),
-            )
-
-
-def _resolve(future: asyncio.Future, outcome: object) -> None:
-    if not future.done():
-        future.set_result(outcome)
+    ticket = loop.request_block_size(size)
+    try:
+        result: SwapResult = await asyncio.to_thread(ticket.result, 60.0)
+    except TimeoutError:
+        raise HTTPException(status_code=504, detail="no step boundary within 60 s") from None
+    except Exception as error:  # the commit itself failed; the engine loop recovered
+        raise HTTPException(status_code=500, detail=f"swap failed: {error}") from None
+    log_event(log, "block_size_swap", **result.to_dict())
+    return result.to_dict()
 
 
 def create_worker_app(
-    loop: EngineLoop, *, token: str | None = None, pusher: LengthPusher | None = None
+    loop: EngineLoop,
+    *,
+    model_name: str,
+    tokenizer: Tokenizer | None,
+    token: str | None = None,
+    pusher: LengthPusher | None = None,
 ) -> FastAPI:
-    """The worker's FastAPI app around a started `EngineLoop`."""
+    """The worker's FastAPI app around a started `EngineLoop` serving `model_name`."""
     app = guarded_app(token=token, title="blocktune worker", version="1")
+    _add_error_handlers(app)
     auth = BearerAuth(token)
-    registry = CollectorRegistry()
-    registry.register(_EngineMetrics(loop, pusher))
+    served = ServedModel(model_name, tokenizer, loop.engine.max_request_tokens)
+    metrics = WorkerMetrics(model_name, loop, pusher)
+
+    async def serve(prepared: Prepared, stream: bool, include_usage: bool, request: Request):
+        choices = _choices(prepared, Generation(loop, prepared.jobs, metrics))
+        try:
+            if stream:  # a refusal before the first token is still an HTTP error
+                first = await anext(choices)
+            else:
+                await _unless_gone(_drain(choices), request)
+        except (RequestError, EngineStepFailed) as error:
+            raise _refusal(error) from None
+        if stream:
+            events = _stream(prepared, first, choices, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return _json(prepared.response())
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [served.card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        served.check_model(model_id)
+        return served.card()
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> dict:
-        loop_ = asyncio.get_running_loop()
-        future: asyncio.Future = loop_.create_future()
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        prepared = Prepared.completion(body, served)
+        return await serve(prepared, body.stream, body.include_usage, request)
 
-        def done(outcome: RequestOutput | Exception) -> None:
-            loop_.call_soon_threadsafe(_resolve, future, outcome)
-
-        prompt = body.token_ids()
-        params = SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            seed=body.seed,
-            stop_token_ids=tuple(body.stop_token_ids),
-        )
-        job = loop.submit(prompt, params, done)
-        while True:
-            finished, _ = await asyncio.wait({future}, timeout=0.1)
-            if finished:
-                break
-            if await request.is_disconnected():
-                loop.cancel(job)
-                raise HTTPException(status_code=499, detail="client disconnected")
-        outcome = future.result()
-        if isinstance(outcome, RequestError):
-            raise HTTPException(status_code=400, detail=str(outcome))
-        if isinstance(outcome, Exception):
-            raise HTTPException(status_code=503, detail=str(outcome))
-        return {
-            "id": f"cmpl-{outcome.request_id}",
-            "token_ids": outcome.token_ids,
-            "finish_reason": outcome.finish_reason,
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(outcome.token_ids)},
-        }
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        prepared = Prepared.chat(body, served)
+        return await serve(prepared, body.stream, body.include_usage, request)
 
     @app.post("/admin/block-size", dependencies=[Depends(auth)])
     async def block_size(body: BlockSizeRequest) -> dict:
-        ticket = loop.request_block_size(body.block_size)
-        try:
-            result: SwapResult = await asyncio.to_thread(ticket.result, 60.0)
-        except TimeoutError:
-            raise HTTPException(status_code=504, detail="no step boundary within 60 s") from None
-        except Exception as error:  # the commit itself failed; the engine loop recovered
-            raise HTTPException(status_code=500, detail=f"swap failed: {error}") from None
-        log_event(log, "block_size_swap", **result.to_dict())
-        return result.to_dict()
+        return await _swap(loop, body.block_size)
 
+    # Plain functions, so FastAPI runs them on its thread pool: reading the engine's state
+    # waits for the step in progress, which must not stall the event loop.
     @app.get("/admin/state")
-    async def state() -> dict:
+    def state() -> dict:
         return loop.state()
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    def metrics_endpoint() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -287,6 +333,8 @@ def create_worker_app(
 def serve_worker(
     loop: EngineLoop,
     *,
+    model_name: str,
+    tokenizer: Tokenizer | None,
     host: str,
     port: int,
     token: str | None,
@@ -295,7 +343,9 @@ def serve_worker(
 ) -> None:
     """Start `loop` and serve it with uvicorn until SIGINT/SIGTERM, then stop both threads."""
     loop.start()
-    app = create_worker_app(loop, token=token, pusher=pusher)
+    app = create_worker_app(
+        loop, model_name=model_name, tokenizer=tokenizer, token=token, pusher=pusher
+    )
     try:
         uvicorn.Server(server_config(app, host=host, port=port, server=server)).run()
     finally:

@@ -28,7 +28,14 @@ from tqdm import tqdm
 
 from blocktune.tuner.core.calibration import Calibration
 from blocktune.tuner.core.policy import Policy
-from blocktune.tuner.replay.runner import ORACLE, Played, ReplayPlan, plan_replay, policy_names
+from blocktune.tuner.replay.runner import (
+    ADAPTIVE,
+    ORACLE,
+    Played,
+    ReplayPlan,
+    plan_replay,
+    static_name,
+)
 from blocktune.tuner.replay.shards import Shard, merge_shards, time_shards
 
 __all__ = ["SubmittedReplay", "dask_client", "submit_replay", "track"]
@@ -47,7 +54,7 @@ def dask_client(scheduler: str | None = None, workers: int | None = None) -> Ite
         n_workers=workers,
         threads_per_worker=1,
         processes=True,
-        dashboard_address=None,
+        dashboard_address=":0",  # a free port: Dask's 8787 is also the sidecar's default
         silence_logs=logging.CRITICAL,
     )
     with cluster, Client(cluster, set_as_default=False) as client:
@@ -82,7 +89,9 @@ def submit_replay(
         label=label,
         initial_block_size=initial_block_size,
     )
-    alone = policy_names(policy)[:-1]  # the oracle follows the static runs
+    # The adaptive play goes first: its selector forecasts at every decision, so it takes
+    # longest. The oracle follows the static runs.
+    alone = [ADAPTIVE, *map(static_name, policy.candidates)]
     if shards == 1:
         played = {name: client.submit(ReplayPlan.play, plan, name) for name in alone}
         schedule = client.submit(ReplayPlan.oracle_schedule, plan, played)

@@ -18,7 +18,7 @@ from distributed import Client
 
 from blocktune.tuner.replay.inputs import TraceInput
 from blocktune.tuner.sweep.executor import submit_replay, track
-from blocktune.tuner.sweep.results import sweep_rows
+from blocktune.tuner.sweep.results import RESULT_COLUMNS, sweep_rows
 from blocktune.tuner.sweep.spec import SweepPoint
 
 __all__ = ["SweepFailure", "SweepResult", "run_sweep"]
@@ -41,8 +41,8 @@ class SweepResult:
 
 
 def run_sweep(client: Client, points: list[SweepPoint], *, progress: bool = True) -> SweepResult:
-    """Replay every point on `client`'s cluster; Ctrl-C cancels the tasks and raises
-    `KeyboardInterrupt`."""
+    """Replay every point on `client`'s cluster. Ctrl-C raises `KeyboardInterrupt`; closing
+    the client then releases the tasks."""
     loads = {}
     for source in dict.fromkeys(point.source for point in points):
         loaded = client.submit(TraceInput.load, source)
@@ -73,4 +73,4 @@ def run_sweep(client: Client, points: list[SweepPoint], *, progress: bool = True
         else:
             error = rows.exception()
             failures.append(SweepFailure(point, f"{type(error).__name__}: {error}"))
-    return SweepResult(pd.DataFrame(kept).convert_dtypes(), failures)
+    return SweepResult(pd.DataFrame(kept, columns=list(RESULT_COLUMNS)).convert_dtypes(), failures)

@@ -127,7 +127,8 @@ class Setting:
 
 
 def settings(grid: BaseModel) -> list[Setting]:
-    """Every combination of the grid's values, in `GRID_KEYS` order (one, unnamed, if empty)."""
+    """Every combination of the grid's values, in `GRID_KEYS` order (just `AS_WRITTEN` when
+    the grid is empty)."""
     keys = [key for key in GRID_KEYS if getattr(grid, key) is not None]
     combinations = itertools.product(*(getattr(grid, key) for key in keys))
     found = []
