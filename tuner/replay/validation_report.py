@@ -112,7 +112,11 @@ def _ranking_line(validation: Validation) -> str:
     measured = " ".join(map(str, validation.ranking("measured")))
     verdict = "agree" if validation.rank_agreement else "disagree"
     compared = len(validation.compared_pairs())
+    if max(len(c.measured_runs) for c in validation.checks) < 2:
+        scope = "that differ (one live run each: no noise measured)"
+    else:
+        scope = "that differ beyond the run-to-run noise"
     return (
-        f"ranking by {name}, best first: predicted {predicted}, measured {measured}: {verdict} "
-        f"on the {compared} pair(s) that differ beyond the run-to-run noise"
+        f"ranking by {name}, best first: predicted {predicted}, measured {measured}: "
+        f"{verdict} on the {compared} pair(s) {scope}"
     )
