@@ -1,18 +1,20 @@
 """Time shards: cuts at interval boundaries, warm-ups, and sharded replays equal to unsharded."""
 
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from itertools import pairwise
 
+import numpy as np
 import pytest
 
 from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.core.calibration import default_calibration
 from blocktune.tuner.core.defaults import DEFAULT_DAY_RATE_SCALE
 from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.core.simulator import Run
 from blocktune.tuner.replay.report import RESULT_KEYS
-from blocktune.tuner.replay.runner import ReplayError, plan_replay, replay
-from blocktune.tuner.replay.shards import time_shards
+from blocktune.tuner.replay.runner import ADAPTIVE, Played, ReplayError, plan_replay, replay
+from blocktune.tuner.replay.shards import merge_shards, time_shards
 
 TOLERANCE = 5e-3
 """Sharded and unsharded metrics of the embedded day agree within 0.5% (0.08% measured)."""
@@ -55,15 +57,17 @@ def test_shards_cut_at_interval_boundaries_after_a_warm_up(day_plan):
         assert len(shard.warmup_plan(day_plan).workload) == warm
 
 
-def test_one_shard_is_the_unsharded_replay(day_plan, whole, replay_in_shards):
+def test_one_shard_merges_into_its_own_play(day_plan, whole):
     (shard,) = time_shards(day_plan, 1)
-    assert (
-        shard.plan(day_plan).workload is day_plan.workload and shard.warmup_plan(day_plan) is None
-    )
-    alone = replay_in_shards(day_plan, 1)
-    assert [replace(r, replay_s=0) for r in alone.results] == [
-        replace(r, replay_s=0) for r in whole.results
-    ]
+    assert shard.plan(day_plan).workload is day_plan.workload
+    assert shard.warmup_plan(day_plan) is None
+    for name, run in whole.runs.items():
+        timeline = whole.timeline if name == ADAPTIVE else []
+        merged = merge_shards(day_plan, [shard], [Played(run, timeline, 1.5)], [None])
+        assert merged.timeline == timeline and merged.seconds == 1.5
+        for part in fields(Run):
+            mine, theirs = getattr(merged.run, part.name), getattr(run, part.name)
+            assert np.array_equal(mine, theirs), (name, part.name)
 
 
 def test_sharded_and_unsharded_replays_agree_on_the_embedded_day(day_plan, whole, replay_in_shards):

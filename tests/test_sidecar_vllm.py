@@ -200,7 +200,11 @@ def test_sidecar_recommends_a_restart_for_vllm(live_server, caplog):
             assert body["material"] is True and body["switch_cost_s"] == 60.0
             assert body["action"] == again["action"] == "restart vLLM with --block-size 16"
             assert body["enforcing"] is False  # vLLM cannot swap: a recommendation
-            events = [json.loads(r.message)["event"] for r in caplog.records]
+            events = [
+                json.loads(r.message)["event"]
+                for r in caplog.records
+                if r.name == "blocktune.sidecar"
+            ]
             assert events.count("decision") == 2 and events.count("recommendation") == 1
             metrics = httpx.get(f"{url}/metrics").text
             assert "blocktune_recommended_block_size 16.0" in metrics

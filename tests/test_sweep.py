@@ -24,7 +24,7 @@ from blocktune.tuner.sweep.executor import dask_client, submit_replay, track
 
 POLICY = "customer_service_llama8b"
 BUDGETS = ("96MiB", "3.5GiB")
-SMALL = ("--duration", "14400", "--rate-scale", "0.01")  # about 1,600 requests in 4 hours
+SMALL = ("--duration", "7200", "--rate-scale", "0.01")  # about 1,600 requests in 2 hours
 START_S = 90
 COMPARED = [key for key in RESULT_KEYS[1:] if key != "replay_s"]  # replay_s: wall-clock time
 
@@ -202,7 +202,7 @@ def test_ctrl_c_cancels_a_sweep_cleanly(folder, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_time_shards_run_as_tasks_like_in_one_process(replay_in_shards):
-    day = customer_service_day(3, duration_s=14400, rate_scale=0.02)
+    day = customer_service_day(3, duration_s=10800, rate_scale=0.02)
     policy, calibration = load_policy(POLICY), default_calibration()
     expected = replay_in_shards(plan_replay(day, policy, calibration, label="day"), 3)
     with dask_client(workers=2) as client:

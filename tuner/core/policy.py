@@ -20,7 +20,7 @@ Example::
     interval: 5m
     min_dwell: 30m
     safety_factor: 2
-    grow_copy_fraction: 1.0   # share of live KV a grow copies (1.0: an upper bound)
+    goal: capacity            # or ttft_p99; slo, headroom, min_gain, engine, batch: see below
     mode: recommend
     calibration: default
     # the sidecar (`blocktune serve`); every section below is optional
