@@ -5,7 +5,9 @@ Sweeps the embedded customer-service day at `--rate-scale` (default 1: about
 static size, adaptive and oracle), once on a LocalCluster of each worker
 count in `--workers`, as `blocktune sweep` does. Prints the wall-clock time of
 each sweep (cluster start and stop included), the speed-up over the first,
-and whether the result tables are equal.
+the seconds the plays took together (on a machine others load, plays slow
+down as they share the cores) with the load average before, and whether the
+result tables are equal.
 
     python bench/sweep.py [--rate-scale 1] [--budgets 2GiB 3.5GiB 8GiB] [--workers 1 2]
 """
@@ -13,6 +15,7 @@ and whether the result tables are equal.
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -46,15 +49,18 @@ def main() -> None:
     print(f"sweep: {points[0].trace}, policy {args.policy}, budgets {' '.join(args.budgets)}")
     tables, seconds = [], []
     for workers in args.workers:
+        load = os.getloadavg()[0]
         start = time.perf_counter()
         with dask_client(workers=workers) as client:
             result = run_sweep(client, points)
         seconds.append(time.perf_counter() - start)
         assert not result.failures, result.failures
-        tables.append(result.rows.drop(columns=list(WALL_CLOCK_COLUMNS), errors="ignore"))
+        plays = float(result.rows.replay_s.sum())
+        tables.append(result.rows.drop(columns=list(WALL_CLOCK_COLUMNS)))
         print(
-            f"{workers} workers: {seconds[-1]:.1f} s wall clock, {len(result.rows)} rows, "
-            f"speed-up {seconds[0] / seconds[-1]:.2f}x over {args.workers[0]} workers",
+            f"{workers} workers: {seconds[-1]:.1f} s wall clock, speed-up "
+            f"{seconds[0] / seconds[-1]:.2f}x over {args.workers[0]} workers; the plays took "
+            f"{plays:.1f} s together; load average {load:.1f} before",
             flush=True,
         )
     same = all(table.equals(tables[0]) for table in tables[1:])

@@ -34,7 +34,7 @@ from blocktune.tuner.replay.runner import (
     Played,
     ReplayPlan,
     plan_replay,
-    static_name,
+    policy_names,
 )
 from blocktune.tuner.replay.shards import Shard, merge_shards, time_shards
 
@@ -89,17 +89,24 @@ def submit_replay(
         label=label,
         initial_block_size=initial_block_size,
     )
-    # The adaptive play goes first: its selector forecasts at every decision, so it takes
-    # longest. The oracle follows the static runs.
-    alone = [ADAPTIVE, *map(static_name, policy.candidates)]
+    alone = policy_names(policy)[:-1]  # the oracle follows the static runs
     if shards == 1:
-        played = {name: client.submit(ReplayPlan.play, plan, name) for name in alone}
+        played = {
+            name: client.submit(ReplayPlan.play, plan, name, priority=_priority(name))
+            for name in alone
+        }
         schedule = client.submit(ReplayPlan.oracle_schedule, plan, played)
         played[ORACLE] = client.submit(ReplayPlan.play_oracle, plan, schedule)
         plays = list(played.values())
     else:
         played, plays = _submit_shards(client, plan, alone, shards)
     return SubmittedReplay(client.submit(ReplayPlan.report, plan, played), plays)
+
+
+def _priority(name: str) -> int:
+    """The Dask priority of a play: the adaptive plays start first (their selector forecasts
+    at every decision, so they take longest), the others in the order submitted."""
+    return 1 if name == ADAPTIVE else 0
 
 
 def _submit_shards(
@@ -112,15 +119,15 @@ def _submit_shards(
     warmups = [client.submit(Shard.warmup_plan, shard, plan) for shard in shards[1:]]
     played, plays = {}, []
 
-    def merged(play: Callable[..., Played], *args: object) -> Future:
+    def merged(play: Callable[..., Played], *args: object, priority: int = 0) -> Future:
         """`play(shard plan, *args)` for every shard and warm-up, and their merge."""
-        whole = [client.submit(play, part, *args) for part in parts]
-        warm = [client.submit(play, warmup, *args) for warmup in warmups]
+        whole = [client.submit(play, part, *args, priority=priority) for part in parts]
+        warm = [client.submit(play, warmup, *args, priority=priority) for warmup in warmups]
         plays.extend(whole + warm)
         return client.submit(merge_shards, plan, cuts, whole, [None, *warm])
 
     for name in alone:
-        played[name] = merged(ReplayPlan.play, name)
+        played[name] = merged(ReplayPlan.play, name, priority=_priority(name))
     schedule = client.submit(ReplayPlan.oracle_schedule, plan, played)
     played[ORACLE] = merged(ReplayPlan.play_oracle, schedule)
     return played, plays
