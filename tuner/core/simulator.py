@@ -31,8 +31,11 @@ recently released first). Requests of a `Workload` must fit the pool alone.
 
 Between events (an arrival while nothing waits, a finish, a pool overflow, a
 controller's decision time) the running set is fixed, so the steps' blocks and
-times follow in closed form: `_Server` computes them for a stretch of steps at
-once with numpy instead of looping per step.
+times follow from a few numbers: the running requests' tokens only grow, and
+how many of them take a new block in a step depends only on the step's number
+modulo the block size (`_Server.base_counts`). A step of a stretch thus costs a
+handful of scalar operations however large the batch, and no request is
+visited until the event ends the stretch.
 
 While prompt chunks are pending, the server advances one step at a time.
 
@@ -48,6 +51,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import compress
 from typing import Protocol
 
 import numpy as np
@@ -59,8 +63,6 @@ __all__ = ["Controller", "Run", "simulate"]
 
 HORIZON_STEPS = 64
 """Steps priced at once while looking for the next event (a longer stretch continues)."""
-
-_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class Controller(Protocol):
@@ -133,11 +135,13 @@ def simulate(
 class _Server:
     """The state of one simulated server (see the module docstring).
 
-    Running requests are kept in arrays that do not change from step to step:
+    Running requests are kept in lists that do not change from step to step:
     with G the steps run so far, request j holds ``base[j] + G`` tokens and
     generates its last token in step ``last[j]``; `base_counts[r]` counts the
     running requests with ``base % B == r`` (those needing a new block in the
-    steps where G + 1 + base is a multiple of B).
+    steps where G + base is a multiple of B). The batch is small (tens to a few
+    hundred requests) and an event changes it by one or two, so plain lists
+    and a loop over the steps of a stretch cost less than numpy calls would.
     """
 
     def __init__(
@@ -154,11 +158,17 @@ class _Server:
         self.progress = progress
         self.slot_bytes = server.kv_bytes_per_slot
         n = len(workload)
-        self.first_token = np.full(n, np.nan)
-        self.finish = np.full(n, np.nan)
-        self.generated = np.zeros(n, dtype=np.int64)
+        self.arrivals: list[float] = workload.arrival_s.tolist()
+        self.prompts: list[int] = workload.prompt_tokens.tolist()
+        self.outputs: list[int] = workload.output_tokens.tolist()
+        self.first_token: list[float] = [math.nan] * n
+        self.finish: list[float] = [math.nan] * n
+        self.generated: list[int] = [0] * n
         # Running requests, oldest admission first: row, base, last step, shared blocks.
-        self.ids, self.base, self.last, self.shared = _EMPTY, _EMPTY, _EMPTY, _EMPTY
+        self.ids: list[int] = []
+        self.base: list[int] = []
+        self.last: list[int] = []
+        self.shared: list[int] = []
         self.steps = 0  # G
         self.sum_base = 0
         self.sum_shared = 0
@@ -185,7 +195,6 @@ class _Server:
         self.prefilling: deque[list[int]] = deque()
         self.pending_blocks = 0
         self.switches: list[tuple[int, float, int]] = []
-        self._offsets = np.arange(HORIZON_STEPS, dtype=np.int64)
         self._set_block_size(block_size)
         self.initial_block_size = block_size
         largest = int(workload.total_tokens.max())
@@ -197,8 +206,8 @@ class _Server:
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> Run:
-        arrivals = self.w.arrival_s
-        total = len(self.w)
+        arrivals = self.arrivals
+        total = len(arrivals)
         while True:
             while self.next_arrival < total and arrivals[self.next_arrival] <= self.t:
                 self.waiting.append(self.next_arrival)
@@ -206,7 +215,7 @@ class _Server:
             if self.controller is not None:
                 self._maybe_decide()
             admitted = bool(self.waiting) and self._admit()
-            if not len(self.ids) and not self.prefilling:
+            if not self.ids and not self.prefilling:
                 assert not self.waiting, "a waiting request does not fit an empty pool"
                 if self.next_arrival == total:
                     break
@@ -217,15 +226,15 @@ class _Server:
                 continue
             if self.prefilling:
                 admitted = self._take_prompt_chunks()
-                if not len(self.ids):
+                if not self.ids:
                     self._prefill_only_step()
                     continue
             self._advance(admitted)
         return Run(
             block_size=self.initial_block_size,
-            first_token_s=self.first_token,
-            finish_s=self.finish,
-            generated=self.generated,
+            first_token_s=np.array(self.first_token),
+            finish_s=np.array(self.finish),
+            generated=np.array(self.generated, dtype=np.int64),
             steps=self.steps,
             preemptions=self.counters["preemptions"],
             swaps=self.counters["swaps"],
@@ -249,12 +258,15 @@ class _Server:
         self.block_size = block_size
         self.num_blocks = self.server.num_blocks(block_size)
         self.cost = self.server.step_cost(block_size)
-        self.base_counts = np.bincount(self.base % block_size, minlength=block_size)
-        self.table_blocks = int((-(-(self.base + self.steps) // block_size)).sum())
+        self.base_counts = [0] * block_size
+        for base in self.base:
+            self.base_counts[base % block_size] += 1
+        steps = self.steps
+        self.table_blocks = sum(-(-(base + steps) // block_size) for base in self.base)
 
     def _need(self) -> int:
         """New blocks the running requests take in the next step."""
-        return int(self.base_counts[-self.steps % self.block_size])
+        return self.base_counts[-self.steps % self.block_size]
 
     def _referenced(self) -> int:
         """Blocks held by running and prefilling requests (shared prefix blocks once)."""
@@ -275,14 +287,19 @@ class _Server:
                 del self.refs[key]
                 self.evictable[key] = None
 
-    def _remove(self, keep: np.ndarray) -> None:
-        size, gone = self.block_size, self.base[~keep]
-        self.table_blocks -= int((-(-(gone + self.steps) // size)).sum())
-        self.sum_base -= int(gone.sum())
-        self.base_counts -= np.bincount(gone % size, minlength=size)
-        self.ids, self.base = self.ids[keep], self.base[keep]
-        self.last, self.shared = self.last[keep], self.shared[keep]
-        self.sum_shared = int(self.shared.sum())
+    def _remove(self, keep: list[bool]) -> None:
+        """Drop the running requests whose `keep` entry is false."""
+        size, steps, counts = self.block_size, self.steps, self.base_counts
+        for base, kept in zip(self.base, keep, strict=True):
+            if not kept:
+                self.table_blocks -= -(-(base + steps) // size)
+                self.sum_base -= base
+                counts[base % size] -= 1
+        self.ids = list(compress(self.ids, keep))
+        self.base = list(compress(self.base, keep))
+        self.last = list(compress(self.last, keep))
+        self.shared = list(compress(self.shared, keep))
+        self.sum_shared = sum(self.shared)
 
     # ---------------------------------------------------------------- admission
     def _admit(self) -> bool:
@@ -296,7 +313,7 @@ class _Server:
         room = self.max_seqs - len(self.ids) - len(self.prefilling)
         while self.waiting and room > 0:
             request = self.waiting[0]
-            held = int(w.prompt_tokens[request] + self.generated[request])
+            held = self.prompts[request] + self.generated[request]
             shared = w.shared_blocks(request, held, size) if request in w.chains else 0
             keys = w.prefix_keys(request, shared, size) if shared else []
             held_hits = sum(1 for k in keys if k in self.refs)
@@ -329,20 +346,17 @@ class _Server:
 
     def _join(self, joining: list[tuple[int, int, int]]) -> None:
         """Add (row, held tokens, shared blocks) to the running requests for the next step."""
-        size, steps, w = self.block_size, self.steps, self.w
-        rows = [request for request, _, _ in joining]
-        bases = [held - steps for _, held, _ in joining]
-        shares = [shared for _, _, shared in joining]
-        lasts = [steps + int(w.output_tokens[r] - self.generated[r]) for r in rows]
-        for base, (_, held, _) in zip(bases, joining, strict=True):
+        size, steps = self.block_size, self.steps
+        for request, held, shared in joining:
+            base = held - steps
             self.base_counts[base % size] += 1
             self.table_blocks += -(-held // size)
-        self.ids = np.concatenate((self.ids, rows))
-        self.base = np.concatenate((self.base, bases))
-        self.last = np.concatenate((self.last, lasts))
-        self.shared = np.concatenate((self.shared, shares))
-        self.sum_base += sum(bases)
-        self.sum_shared += sum(shares)
+            self.ids.append(request)
+            self.base.append(base)
+            self.last.append(steps + self.outputs[request] - self.generated[request])
+            self.shared.append(shared)
+            self.sum_base += base
+            self.sum_shared += shared
 
     def _take_prompt_chunks(self) -> bool:
         """Spend the next step's token budget: one token per running request, the rest on
@@ -370,27 +384,28 @@ class _Server:
         """A step that computes prompt chunks while nothing decodes."""
         cost = self.cost
         step_s = cost.fixed_s + self.prefill_tokens * cost.prefill_s_per_token
-        self._account(np.array([self._referenced()]), np.array([step_s]), 0, step_s)
+        referenced = self._referenced()
+        self._account(referenced * self.block_size, referenced, referenced * step_s, 0, step_s)
         self.t += step_s
         self.steps += 1
-        self.table_blocks = int((-(-(self.base + self.steps) // self.block_size)).sum())
+        self.table_blocks = 0  # nothing runs
 
     def _preempt_youngest(self) -> None:
         """Free the blocks of the latest-arrived running or prefilling request and queue it
         first (a prefilling one loses its computed chunks)."""
-        if self.prefilling and (not len(self.ids) or self.prefilling[-1][0] > self.ids.max()):
+        if self.prefilling and (not self.ids or self.prefilling[-1][0] > max(self.ids)):
             request, _, held, shared = self.prefilling.pop()
             self.pending_blocks -= -(-(held + 1) // self.block_size) - shared
             self._release(request)
             self.waiting.appendleft(request)
             self.counters["preemptions"] += 1
             return
-        index = int(np.argmax(self.ids))
-        request = int(self.ids[index])
-        held = int(self.base[index]) + self.steps
-        self.generated[request] = held - int(self.w.prompt_tokens[request])
+        request = max(self.ids)
+        index = self.ids.index(request)
+        held = self.base[index] + self.steps
+        self.generated[request] = held - self.prompts[request]
         self._release(request)
-        keep = np.ones(len(self.ids), dtype=bool)
+        keep = [True] * len(self.ids)
         keep[index] = False
         self._remove(keep)
         self.waiting.appendleft(request)
@@ -403,67 +418,86 @@ class _Server:
 
     # ---------------------------------------------------------------- steps
     def _advance(self, admitted: bool) -> None:
-        """Run the steps up to the next event, in closed form; finish whoever is done."""
+        """Run the steps up to the next event; finish whoever is done.
+
+        Within the stretch only the table blocks change (by `base_counts`), so each step's
+        time is a sum of scalars: no request is visited."""
         size, cost, n, steps = self.block_size, self.cost, len(self.ids), self.steps
-        first_finish = int(self.last.min()) - steps
+        first_finish = min(self.last) - steps
         horizon = 1 if self.prefilling else min(first_finish, HORIZON_STEPS)
-        offsets = self._offsets[:horizon]
-        new_blocks = self.base_counts[(-steps - offsets) % size]
-        table_blocks = self.table_blocks + np.cumsum(new_blocks)
         duplicates = self.sum_shared - len(self.refs)
-        referenced = table_blocks - duplicates
         held = self.sum_base + n * steps  # tokens held before these steps
-        step_s = cost.per_block_s * table_blocks + (cost.per_token_s * n) * offsets
-        step_s += cost.fixed_s + cost.per_token_s * (held + n) + cost.per_sequence_s * n
-        if admitted:
-            step_s[0] += self.prefill_tokens * cost.prefill_s_per_token
-        ends = self.t + np.cumsum(step_s)
-        k = horizon
-        if referenced[-1] > self.num_blocks:  # referenced never decreases between events
-            k = int(np.searchsorted(referenced, self.num_blocks, side="right"))
-            assert k >= 1, "the admission check leaves room for the first step"
-        if not self.waiting and self.next_arrival < len(self.w):
-            arrival = self.w.arrival_s[self.next_arrival]
-            k = min(k, int(np.searchsorted(ends, arrival, side="left")) + 1)
-        boundary = self._boundary_time()
-        if boundary < math.inf:
-            k = min(k, int(np.searchsorted(ends, boundary, side="left")) + 1)
+        per_block, slope = cost.per_block_s, cost.per_token_s * n
+        const = cost.fixed_s + cost.per_token_s * (held + n) + cost.per_sequence_s * n
+        stop = self._boundary_time()
+        if not self.waiting and self.next_arrival < len(self.arrivals):
+            stop = min(stop, self.arrivals[self.next_arrival])
+        counts, limit, t = self.base_counts, self.num_blocks, self.t
+        table_blocks, elapsed, end = self.table_blocks, 0.0, t
+        referenced_sum, kv_block_s, first_end = 0, 0.0, t
+        k = 0
+        while k < horizon:
+            blocks = table_blocks + counts[(-steps - k) % size]
+            referenced = blocks - duplicates
+            if referenced > limit:
+                break
+            step_s = per_block * blocks + slope * k + const
+            if k == 0:
+                if admitted:
+                    step_s += self.prefill_tokens * cost.prefill_s_per_token
+                first_end = t + step_s
+            table_blocks = blocks
+            elapsed += step_s
+            end = t + elapsed
+            referenced_sum += referenced
+            kv_block_s += referenced * step_s
+            k += 1
+            if end >= stop:
+                break
+        assert k >= 1, "the admission check leaves room for the first step"
         unique_tokens = k * held + n * k * (k + 1) // 2 - k * duplicates * size
-        self._account(referenced[:k], step_s[:k], unique_tokens, float(ends[k - 1]) - self.t)
+        self._account(
+            referenced_sum * size, table_blocks - duplicates, kv_block_s, unique_tokens, end - t
+        )
         if admitted:
-            new = np.isnan(self.first_token[self.ids])
-            self.first_token[self.ids[new]] = ends[0]
-        self.t = float(ends[k - 1])
-        self.table_blocks = int(table_blocks[k - 1])
+            first_token = self.first_token
+            for request in self.ids:
+                if first_token[request] != first_token[request]:  # NaN: not yet set
+                    first_token[request] = first_end
+        self.t = end
+        self.table_blocks = table_blocks
         self.steps = steps + k
         if k == first_finish:
-            self._finish(self.last == self.steps)
+            self._finish()
         self._evict_to_fit()
 
-    def _finish(self, done: np.ndarray) -> None:
+    def _finish(self) -> None:
         """Free the requests that generated their last token in the step just run."""
-        finished = self.ids[done]
-        self.finish[finished] = self.t
-        self.generated[finished] = self.w.output_tokens[finished]
-        for request in finished.tolist():
+        steps, t = self.steps, self.t
+        keep = [last != steps for last in self.last]
+        finished = [request for request, kept in zip(self.ids, keep, strict=True) if not kept]
+        for request in finished:
+            self.finish[request] = t
+            self.generated[request] = self.outputs[request]
             self._release(request)
-        self._remove(~done)
+        self._remove(keep)
         if self.controller is not None:
-            self.controller.observe(finished, np.full(len(finished), self.t))
+            rows = np.array(finished, dtype=np.int64)
+            self.controller.observe(rows, np.full(len(finished), t))
         if self.progress is not None:
             self.progress.update(len(finished))
 
     def _account(
-        self, referenced: np.ndarray, step_s: np.ndarray, unique_tokens: int, busy_s: float
+        self, allocated: int, peak: int, kv_block_s: float, unique_tokens: int, busy_s: float
     ) -> None:
-        """Add a stretch of steps to the counters (blocks held and times per step)."""
-        size, counters = self.block_size, self.counters
-        counters["alloc"] += int(referenced.sum()) * size
+        """Add a stretch of steps to the counters: the token slots allocated over its steps,
+        the blocks referenced at its end, blocks times seconds, the tokens held and its time."""
+        counters = self.counters
+        counters["alloc"] += allocated
         counters["used"] += unique_tokens
-        peak = int(referenced[-1])
         self.peak_blocks = max(self.peak_blocks, peak)
-        self.peak_bytes = max(self.peak_bytes, peak * size * self.slot_bytes)
-        self.kv_byte_s += float(referenced @ step_s) * size * self.slot_bytes
+        self.peak_bytes = max(self.peak_bytes, peak * self.block_size * self.slot_bytes)
+        self.kv_byte_s += kv_block_s * self.block_size * self.slot_bytes
         self.busy_s += busy_s
 
     # ---------------------------------------------------------------- block-size changes
@@ -490,16 +524,16 @@ class _Server:
             self._release(request)
             self.waiting.appendleft(request)
         self._set_block_size(new_size)
-        self.shared = self.shared * old_size // new_size
+        self.shared = [shared * old_size // new_size for shared in self.shared]
         self.refs, self.evictable, self.keys_of = {}, OrderedDict(), {}
         self.blocked = None
-        for request, shared in zip(self.ids.tolist(), self.shared.tolist(), strict=True):
+        for request, shared in zip(self.ids, self.shared, strict=True):
             if shared:
                 keys = self.w.prefix_keys(request, shared, new_size)
                 self.keys_of[request] = keys
                 for key in keys:
                     self.refs[key] = self.refs.get(key, 0) + 1
-        self.sum_shared = int(self.shared.sum())
+        self.sum_shared = sum(self.shared)
         while self._referenced() > self.num_blocks:
             self._preempt_youngest()
         self.kv_byte_s += held_bytes * pause
