@@ -273,6 +273,8 @@ class _Server:
         return self.table_blocks - self.sum_shared + len(self.refs) + self.pending_blocks
 
     def _evict_to_fit(self) -> None:
+        if not self.evictable:
+            return
         spare = self.num_blocks - self._referenced()
         while len(self.evictable) > spare:
             self.evictable.popitem(last=False)
@@ -315,9 +317,11 @@ class _Server:
             request = self.waiting[0]
             held = self.prompts[request] + self.generated[request]
             shared = w.shared_blocks(request, held, size) if request in w.chains else 0
-            keys = w.prefix_keys(request, shared, size) if shared else []
-            held_hits = sum(1 for k in keys if k in self.refs)
-            cached_hits = sum(1 for k in keys if k in self.evictable)
+            keys, held_hits, cached_hits = [], 0, 0
+            if shared:
+                keys = w.prefix_keys(request, shared, size)
+                held_hits = sum(1 for k in keys if k in self.refs)
+                cached_hits = sum(1 for k in keys if k in self.evictable)
             blocks = -(-(held + 1) // size) - held_hits
             if blocks > available:
                 self.blocked = (request, blocks)
