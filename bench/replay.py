@@ -16,7 +16,7 @@ import argparse
 import time
 
 from blocktune.traces.synth import CUSTOMER_SERVICE_PHASES, customer_service_day
-from blocktune.tuner.core.calibration import default_calibration, load_calibration
+from blocktune.tuner.core.calibration import calibration_for
 from blocktune.tuner.core.defaults import DEFAULT_POLICY
 from blocktune.tuner.core.policy import load_policy
 from blocktune.tuner.replay.report import format_replay_table
@@ -35,8 +35,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic day")
     args = parser.parse_args()
     policy = load_policy(args.policy)
-    path = policy.calibration_path(args.policy.parent)
-    calibration = default_calibration() if path is None else load_calibration(path)
+    calibration = calibration_for(policy, args.policy.parent)
     scale = args.requests / requests_per_day()
     start = time.perf_counter()
     day = customer_service_day(args.seed, rate_scale=scale)

@@ -223,6 +223,14 @@ def test_azure_conversation_trace_replays_under_every_policy():
     assert padding[0] < 0.01  # long prompts: under 1% padding at B=16 (docs/architecture.md)
 
 
+def test_a_replay_priced_for_another_device_says_so_first():
+    frame = customer_service_day(0, rate_scale=0.01).head(300)
+    elsewhere = POLICY.model_copy(update={"device": "NVIDIA H100"})
+    assert not any("device" in w for w in replay(frame, POLICY, CALIBRATION).warnings)
+    warning = replay(frame, elsewhere, CALIBRATION).warnings[0]
+    assert warning.startswith("the policy runs on NVIDIA H100 but its calibration is for NVIDIA L4")
+
+
 def test_an_overloaded_replay_names_the_offered_and_served_rates():
     """Ten times the requests a tiny pool can serve: every run is overloaded, and the warning
     says how much was offered and how much served."""

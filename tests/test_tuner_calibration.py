@@ -3,6 +3,7 @@
 import shutil
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +14,17 @@ from blocktune.tuner.core.calibration import (
     CalibrationError,
     analytic_calibration,
     bundled_files,
+    bundled_names,
+    calibration_for,
     default_calibration,
+    device_mismatch,
     load_calibration,
 )
 from blocktune.tuner.core.config_files import ConfigError
 from blocktune.tuner.core.measure import measure_host
+from blocktune.tuner.core.policy import load_policy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_bundled_analytic_model_cites_its_constants():
@@ -35,6 +42,50 @@ def test_the_bundled_analytic_model_cites_its_constants():
         assert coefficients.per_token_s == pytest.approx(per_token, rel=1e-4)
         assert coefficients.per_block_s == pytest.approx(0.23 * 16 * per_token, rel=1e-4)
     assert calibration.copy_bandwidth_bytes_per_s == calibration.memory_bandwidth_bytes_per_s / 2
+
+
+@pytest.mark.parametrize(
+    ("name", "bandwidth", "flops"),
+    [("analytic_default", 300e9, 121e12), ("analytic_a100_80gb", 2039e9, 312e12)],
+)
+def test_each_bundled_device_model_derives_its_constants_from_its_datasheet(name, bandwidth, flops):
+    calibration = load_calibration(bundled_names()[name])
+    assert calibration.provenance.kind == "analytic"
+    assert calibration.memory_bandwidth_bytes_per_s == bandwidth
+    assert calibration.compute_flops_per_s == flops
+    assert calibration.copy_bandwidth_bytes_per_s == bandwidth / 2
+    per_token = 4096 / bandwidth  # 8 KV heads x 128 x K and V x 2 bytes, read once per step
+    for coefficients in calibration.kernel.values():
+        assert coefficients.per_token_s == pytest.approx(per_token, rel=1e-4)
+        assert coefficients.per_block_s == pytest.approx(0.23 * 16 * per_token, rel=1e-4)
+
+
+def test_a_policy_names_a_bundled_calibration_and_a_device_mismatch_is_warned(tmp_path):
+    long_document = load_policy("long_document")
+    calibration = calibration_for(long_document, tmp_path)
+    assert calibration.provenance.device == "NVIDIA A100 80GB SXM (analytic model)"
+    assert device_mismatch(long_document, calibration) is None
+    # The same policy priced with the L4 model: the warning names both devices.
+    l4 = calibration_for(long_document.model_copy(update={"calibration": "default"}), tmp_path)
+    warning = device_mismatch(long_document, l4)
+    assert "NVIDIA A100 80GB" in warning and "NVIDIA L4 (analytic model)" in warning
+    # Case, spaces and punctuation do not matter; a policy that states no device is not checked.
+    l4_policy = long_document.model_copy(update={"device": "nvidia-l4"})
+    assert device_mismatch(l4_policy, l4) is None
+    assert device_mismatch(long_document.model_copy(update={"device": None}), l4) is None
+    # A file of that name next to the policy wins over the bundled one.
+    (tmp_path / "analytic_a100_80gb").write_text(l4.to_yaml(), encoding="utf-8")
+    assert calibration_for(long_document, tmp_path) == l4
+
+
+def test_policy_check_prints_a_device_mismatch_and_still_passes(tmp_path, capsys):
+    text = (ROOT / "policies" / "customer_service_llama8b.yaml").read_text(encoding="utf-8")
+    path = tmp_path / "h100.yaml"
+    path.write_text(text.replace("device: NVIDIA L4", "device: NVIDIA H100"), encoding="utf-8")
+    assert main(["policy", "check", str(path)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith(f"{path}: warning: the policy runs on NVIDIA H100")
+    assert printed[1] == f"{path}: ok"
 
 
 def test_the_default_prefers_the_newest_measured_file(tmp_path):

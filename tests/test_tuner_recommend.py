@@ -84,6 +84,18 @@ def test_a_light_customer_service_trace_keeps_16_and_says_it_does_not_matter(cap
         assert row["capacity"] > 1
 
 
+def test_a_calibration_for_another_device_is_warned_about(capsys, tmp_path, policy_file):
+    text = Path(policy_file).read_text(encoding="utf-8")
+    path = tmp_path / "h100.yaml"
+    path.write_text(text.replace("device: NVIDIA L4", "device: NVIDIA H100"), encoding="utf-8")
+    assert run_json(capsys, policy_file, "synthetic", "--last", "300")["warnings"] == []
+    report = run_json(capsys, str(path), "synthetic", "--last", "300")
+    [warning] = report["warnings"]
+    assert warning.startswith("the policy runs on NVIDIA H100 but its calibration is for NVIDIA L4")
+    assert main(["recommend", "synthetic", "--last", "300", "--policy", str(path)]) == 0
+    assert f"warning: {warning}" in capsys.readouterr().out.splitlines()
+
+
 def test_requests_that_can_never_fit_are_left_out_and_counted(capsys, tmp_path, policy_file):
     trace = tmp_path / "mixed.csv"
     rows = [f"{i},{30 + i % 7},{10}" for i in range(150)] + ["151,40000,10"]

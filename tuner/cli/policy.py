@@ -8,10 +8,14 @@ from pathlib import Path
 __all__ = ["check_policy", "register"]
 
 
-def check_policy(name_or_path: Path | str) -> list[str]:
+def check_policy(name_or_path: Path | str) -> tuple[list[str], list[str]]:
     """Every problem of one policy file or bundled policy (schema first, then its
-    calibration); [] if none."""
-    from blocktune.tuner.core.calibration import CalibrationError, calibration_for
+    calibration), and the warnings of a valid one (a calibration for another device)."""
+    from blocktune.tuner.core.calibration import (
+        CalibrationError,
+        calibration_for,
+        device_mismatch,
+    )
     from blocktune.tuner.core.config_files import ConfigError
     from blocktune.tuner.core.policy import load_policy, policy_path
 
@@ -19,23 +23,26 @@ def check_policy(name_or_path: Path | str) -> list[str]:
         path = policy_path(name_or_path)
         policy = load_policy(path)
     except ConfigError as exc:
-        return list(exc.problems)
+        return list(exc.problems), []
     try:
-        calibration_for(policy, path.parent).require(policy.candidates)
+        calibration = calibration_for(policy, path.parent)
+        calibration.require(policy.candidates)
     except ConfigError as exc:
-        return [f"{path}: calibration: {problem}" for problem in exc.problems]
+        return [f"{path}: calibration: {problem}" for problem in exc.problems], []
     except CalibrationError as exc:
-        return [f"{path}: candidates: {exc}"]
-    return []
+        return [f"{path}: candidates: {exc}"], []
+    mismatch = device_mismatch(policy, calibration)
+    return [], [] if mismatch is None else [f"{path}: warning: {mismatch}"]
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Validate policy files: print every problem and exit 1, or print 'ok' and exit 0."""
+    """Validate policy files: print every problem and exit 1, or print 'ok' (and any
+    warning) and exit 0."""
     failed = False
     for name in args.files:
-        problems = check_policy(name)
-        for problem in problems:
-            print(problem)
+        problems, warnings = check_policy(name)
+        for line in problems + warnings:
+            print(line)
         if problems:
             failed = True
         else:

@@ -141,7 +141,7 @@ def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
 def run_recommend(args: argparse.Namespace) -> int:
     """Price every candidate block size for a trace under a policy and print the choice."""
     from blocktune.traces.schema import TraceError
-    from blocktune.tuner.core.calibration import CalibrationError
+    from blocktune.tuner.core.calibration import CalibrationError, device_mismatch
     from blocktune.tuner.core.config_files import ConfigError
     from blocktune.tuner.core.recommendation import RecommendError, recommend
 
@@ -154,6 +154,7 @@ def run_recommend(args: argparse.Namespace) -> int:
     except (ConfigError, TraceError, CalibrationError, RecommendError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    warnings = list(filter(None, [device_mismatch(policy, calibration)]))
     if args.json:
         print(
             to_json(
@@ -163,6 +164,7 @@ def run_recommend(args: argparse.Namespace) -> int:
                 policy={"file": str(args.policy), "deployment": policy.deployment},
                 calibration=calibration.describe(),
                 left_out_longer_than_the_pool=left_out,
+                warnings=warnings,
             )
         )
         return 0
@@ -174,6 +176,8 @@ def run_recommend(args: argparse.Namespace) -> int:
         f"{policy.model.dtype}, KV budget {budget_gib:.1f} GiB"
     )
     print(f"calibration: {calibration.describe()}")
+    for warning in warnings:
+        print(f"warning: {warning}")
     if left_out:
         print(f"left out {left_out} requests longer than the KV pool: they can never run")
     print(format_decision_table(decision, snapshot))

@@ -52,7 +52,9 @@ __all__ = [
     "Provenance",
     "analytic_calibration",
     "bundled_files",
+    "bundled_names",
     "default_calibration",
+    "device_mismatch",
     "load_calibration",
 ]
 
@@ -309,7 +311,39 @@ def default_calibration(folder: Path | None = None) -> Calibration:
     return load_calibration(analytic)
 
 
+def bundled_names() -> dict[str, Path]:
+    """The bundled calibrations by name (their file names without ``.yaml``)."""
+    return {path.stem: path for path in bundled_files()}
+
+
 def calibration_for(policy: Policy, policy_dir: Path) -> Calibration:
-    """The calibration a policy names (relative to its folder), or the bundled default."""
+    """The calibration a policy names: a file (relative to the policy's folder), else a
+    bundled calibration of that name, or the bundled default."""
     path = policy.calibration_path(policy_dir)
-    return default_calibration() if path is None else load_calibration(path)
+    if path is None:
+        return default_calibration()
+    bundled = bundled_names().get(policy.calibration)
+    if bundled is not None and not path.exists():
+        return load_calibration(bundled)
+    return load_calibration(path)
+
+
+def device_mismatch(policy: Policy, calibration: Calibration) -> str | None:
+    """A warning when the policy states its device and the calibration was made for
+    another one (names compared without case, spaces or punctuation), else None."""
+    if policy.device is None:
+        return None
+    stated, priced = _letters(policy.device), _letters(calibration.provenance.device)
+    if stated in priced:
+        return None
+    names = ", ".join(sorted(bundled_names()))
+    return (
+        f"the policy runs on {policy.device} but its calibration is for "
+        f"{calibration.provenance.device}: every prediction prices the other device; name a "
+        f"calibration for it with the policy key 'calibration' (bundled: {names}) or measure "
+        "one with `blocktune calibrate`"
+    )
+
+
+def _letters(text: str) -> str:
+    return "".join(ch for ch in text.lower() if ch.isalnum())

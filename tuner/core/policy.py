@@ -402,8 +402,17 @@ class Policy(Section):
         description="vLLM: serving lost to drain and reload for a restart with a new size",
     )
     mode: Literal["recommend", "enforce"] = "recommend"
+    device: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the GPU the deployment runs on, e.g. 'NVIDIA L4'; a calibration made "
+        "for another device is warned about",
+    )
     calibration: str = Field(
-        default="default", min_length=1, description="'default' or a YAML path"
+        default="default",
+        min_length=1,
+        description="'default', a bundled calibration's name (e.g. 'analytic_a100_80gb') "
+        "or a YAML path",
     )
     sources: Sources = Sources()
     server: ServerSettings = ServerSettings()
@@ -474,7 +483,9 @@ class Policy(Section):
         return nearest_power_of_two(DEFAULT_BLOCK_SIZE, self.candidates)
 
     def calibration_path(self, base: Path) -> Path | None:
-        """The calibration file (relative paths start at `base`), or None for the default."""
+        """The calibration file (relative paths start at `base`), or None for the default.
+        A bundled calibration's name is a path that does not exist here: see
+        `calibration.calibration_for`."""
         if self.calibration == "default":
             return None
         path = Path(self.calibration).expanduser()

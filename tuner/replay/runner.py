@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from blocktune.tuner.core.calibration import Calibration
+from blocktune.tuner.core.calibration import Calibration, device_mismatch
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
 from blocktune.tuner.core.forecast import ServingMetrics
 from blocktune.tuner.core.policy import Policy, nearest_power_of_two
@@ -264,7 +264,10 @@ class ReplayPlan:
             interval_s=self.costs.interval_s,
             workload=self.workload,
             runs=runs,
-            warnings=replay_warnings(trace, results, runs, self.workload, self.policy),
+            warnings=[
+                *filter(None, [device_mismatch(self.policy, self.calibration)]),
+                *replay_warnings(trace, results, runs, self.workload, self.policy),
+            ],
         )
 
     def _result(self, name: str, played: Played, schedule: np.ndarray) -> PolicyResult:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from blocktune.kernels import is_power_of_two
-from blocktune.tuner.core.calibration import Calibration, calibration_for
+from blocktune.tuner.core.calibration import Calibration, calibration_for, device_mismatch
 from blocktune.tuner.core.jsonable import to_jsonable
 from blocktune.tuner.core.policy import MAX_BLOCK_SIZE, Policy
 from blocktune.tuner.core.selector import Decision, Selector
@@ -94,9 +94,8 @@ class Sidecar:
         self.policy = policy
         self.engine = engine
         self.window = LengthWindow(policy.window.capacity)
-        self.selector = Selector(
-            policy, calibration or calibration_for(policy, base), clock=time.time
-        )
+        self.calibration = calibration or calibration_for(policy, base)
+        self.selector = Selector(policy, self.calibration, clock=time.time)
         self.actuator = self._actuator(policy, engine)
         self.scheduler = DecisionScheduler(self._run_decision, policy.interval)
         self.sources: list[PollingSource] = []
@@ -181,6 +180,9 @@ class Sidecar:
             block_size=self.current_block_size,
             interval_s=self.policy.interval.total_seconds(),
         )
+        mismatch = device_mismatch(self.policy, self.calibration)
+        if mismatch is not None:
+            log_event(log, "calibration_for_another_device", warning=mismatch)
 
     def stop(self) -> None:
         """Stop the sources and the scheduler (a run in progress finishes), then save."""
