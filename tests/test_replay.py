@@ -2,6 +2,7 @@
 plots, the seed's peak-memory claim as measured, and the Azure conversation trace."""
 
 import json
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -221,6 +222,48 @@ def test_azure_conversation_trace_replays_under_every_policy():
         assert result.generated_tokens == int(frame.output_tokens.sum())
     padding = [report.result(static_name(b)).padding_ratio for b in policy.candidates]
     assert padding[0] < 0.01  # long prompts: under 1% padding at B=16 (docs/architecture.md)
+
+
+def day_promotion_day(seed: int = 0) -> pd.DataFrame:
+    """30 minutes each: long documents at 0.1 req/s, a burst of short chats at 40 req/s, the
+    documents again."""
+    rng = np.random.default_rng(seed)
+    phases = [(0, 0.1, (800, 1200), (100, 200)), (1, 40.0, (15, 25), (8, 24))]
+    phases.append((2, *phases[0][1:]))
+    parts = []
+    for index, rate, prompts, outputs in phases:
+        count = rng.poisson(rate * 1800)
+        parts.append(
+            pd.DataFrame(
+                {
+                    "arrival_s": np.sort(rng.uniform(index * 1800, (index + 1) * 1800, count)),
+                    "prompt_tokens": rng.integers(*prompts, count),
+                    "output_tokens": rng.integers(*outputs, count),
+                }
+            )
+        )
+    return pd.concat(parts, ignore_index=True)
+
+
+def test_when_a_promotion_fills_the_cache_the_tuner_follows_it_to_the_best_static_size():
+    """192 MiB (1536 slots): the burst's short requests fill the pool, where B=8's padding
+    leaves room for more of them. The tuner switches to 8 early in the burst and ends within
+    2% of the best static size and over 10% above static-16 on the goal (SLO goodput)."""
+    policy = POLICY.model_copy(
+        update={
+            "kv_budget": 192 * 2**20,
+            "interval": timedelta(minutes=1),
+            "min_dwell": timedelta(minutes=2),
+        }
+    )
+    report = replay(day_promotion_day(), policy, CALIBRATION)
+    goal = {r.policy: r.goal_value for r in report.results}
+    best = max(goal[static_name(b)] for b in policy.candidates)
+    assert best == goal[static_name(8)]
+    assert goal[ADAPTIVE] >= 0.98 * best
+    assert goal[ADAPTIVE] >= 1.10 * goal[static_name(16)]
+    (_, switched_at, size), *_ = report.runs[ADAPTIVE].switches
+    assert size == 8 and 1800 < switched_at < 1800 + 5 * 60
 
 
 def test_a_replay_priced_for_another_device_says_so_first():
