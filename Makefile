@@ -31,6 +31,7 @@ $(STAMP): pyproject.toml Makefile
 
 demo: $(STAMP)
 	$(BIN)/blocktune replay --policy policies/customer_service_llama8b.yaml --out replay-out
+	$(BIN)/blocktune replay --policy policies/customer_service_shared_gpu.yaml --rate-scale 1 --out replay-out/shared-gpu
 	$(BIN)/blocktune demo
 
 test: $(STAMP)

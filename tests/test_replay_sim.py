@@ -13,7 +13,7 @@ from blocktune.tuner.core.calibration import analytic_calibration
 from blocktune.tuner.core.cost_model import CostModel
 from blocktune.tuner.core.policy import Policy, load_policy
 from blocktune.tuner.core.simulator import simulate
-from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.core.step_cost import StepCost, StepCostModel
 from blocktune.tuner.core.workload import Workload
 from blocktune.tuner.replay.controllers import OracleController
 
@@ -114,6 +114,28 @@ def test_step_times_follow_the_calibration():
     assert run.first_token_s[0] == pytest.approx(prefill + steps[0], rel=1e-12)
     assert run.finish_s[0] == pytest.approx(prefill + sum(steps), rel=1e-12)
     assert run.busy_s == pytest.approx(run.finish_s[0], rel=1e-12)
+
+
+class PaddedPairs(StepCostModel):
+    """Steps of 10 ms plus a padded-batch term and a prompt-pair term, nothing else."""
+
+    def step_cost(self, block_size: int) -> StepCost:
+        return StepCost(0.01, 0.0, 0.0, 0.0, 0.0, per_padded_token_s=1e-5, prefill_s_per_pair=1e-8)
+
+
+def test_a_padded_batch_costs_its_longest_context_and_a_prompt_its_pairs():
+    """Two requests admitted together (prompts 100 and 20): the first step computes both
+    prompts (100 x 100 + 20 x 20 pairs) and every step reads the batch padded to the longer
+    one's context; once it leaves, the short one pays for its own."""
+    frame = pd.DataFrame(
+        {"arrival_s": [0.0, 0.0], "prompt_tokens": [100, 20], "output_tokens": [3, 5]}
+    )
+    run = simulate(Workload.from_frame(frame), PaddedPairs(POLICY, CALIBRATION), 16)
+    steps = [0.01 + 2 * ctx * 1e-5 for ctx in (101, 102, 103)]
+    steps += [0.01 + ctx * 1e-5 for ctx in (24, 25)]
+    steps[0] += (100 * 100 + 20 * 20) * 1e-8
+    assert run.first_token_s.tolist() == pytest.approx([steps[0]] * 2, rel=1e-12)
+    assert run.finish_s.tolist() == pytest.approx([sum(steps[:3]), sum(steps)], rel=1e-12)
 
 
 def prefix_requests(arrivals, prompts, outputs, hashes) -> Workload:

@@ -61,10 +61,14 @@ __all__ = [
 ANALYTIC_FILE = "analytic_default.yaml"
 STEP_FORM = (
     "step_s = fixed_s + per_block_s * sum_j ceil(ctx_j / B) + per_token_s * sum_j ctx_j "
-    "+ per_sequence_s * n + prefill_s_per_token * prefill_tokens"
+    "+ per_padded_token_s * n * max_j ctx_j + per_sequence_s * n "
+    "+ prefill_s_per_token * prefill_tokens + prefill_s_per_pair * prefill_pairs"
 )
 """The engine step time fitted per block size B: n requests in the step, ctx_j the tokens
-request j holds, prefill_tokens the prompt tokens the step computes."""
+request j holds, prefill_tokens the prompt tokens the step computes and prefill_pairs their
+attention pairs (per prompt chunk, its tokens times its prompt's tokens up to the chunk's
+end). `n * max ctx` is the batch padded to its longest context, as a decode attention that
+gathers the batch into one padded tensor reads it."""
 
 
 class CalibrationError(ValueError):
@@ -146,13 +150,16 @@ class EngineModel(_Frozen):
 
 
 class StepCoefficients(_Frozen):
-    """One engine step's time at one block size, the terms of `STEP_FORM` [s]."""
+    """One engine step's time at one block size, the terms of `STEP_FORM` [s]. The padded
+    and pair terms are 0 in calibrations written before they were fitted."""
 
     fixed_s: float = Field(ge=0)
     per_block_s: float = Field(ge=0)
     per_token_s: float = Field(ge=0)
     per_sequence_s: float = Field(ge=0)
     prefill_s_per_token: float = Field(ge=0)
+    per_padded_token_s: float = Field(default=0.0, ge=0)
+    prefill_s_per_pair: float = Field(default=0.0, ge=0)
 
 
 class FitResiduals(_Frozen):

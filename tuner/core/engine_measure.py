@@ -265,18 +265,28 @@ def _warm_up(engine: Engine, rng: np.random.Generator) -> None:
 def _decode_steps(
     engine: Engine, grid: EngineGrid, rng: np.random.Generator, timer: Callable[[], float]
 ) -> list[TimedStep]:
+    """Decode batches of one context each, and batches whose first half holds the grid's
+    shortest context (padded to the longest by a gathering attention)."""
     size, middle = engine.block_size, (grid.repeats + 1) // 2
+    shortest = min(grid.context_lens)
     steps = []
     for batch in grid.batch_sizes:
         for context in grid.context_lens:
-            ids = _start(engine, rng, batch, context, grid.repeats)
-            seconds = np.mean([_timed_step(engine, timer) for _ in range(grid.repeats)])
-            held = context + middle  # the middle step's context
-            steps.append(
-                TimedStep(size, batch, batch * held, batch * -(-held // size), 0, float(seconds))
-            )
-            for request_id in ids:
-                engine.cancel(request_id)
+            mixes = [(0, batch)]
+            if batch > 1 and context > shortest:
+                mixes.append((batch // 2, batch - batch // 2))
+            for short, long in mixes:
+                ids = _start(engine, rng, short, shortest, grid.repeats + 1) if short else []
+                ids += _start(engine, rng, long, context, grid.repeats)
+                seconds = float(np.mean([_timed_step(engine, timer) for _ in range(grid.repeats)]))
+                low, high = shortest + middle, context + middle  # the middle step's contexts
+                tokens = short * low + long * high
+                blocks = short * -(-low // size) + long * -(-high // size)
+                steps.append(
+                    TimedStep(size, batch, tokens, blocks, 0, seconds, padded_tokens=batch * high)
+                )
+                for request_id in ids:
+                    engine.cancel(request_id)
     return steps
 
 
@@ -303,7 +313,18 @@ def _prefill_steps(
             tokens = decoding * held + chunk
             blocks = decoding * -(-held // size) + -(-chunk // size)
             seconds = float(np.mean(times))
-            steps.append(TimedStep(size, decoding + 1, tokens, blocks, chunk, seconds))
+            steps.append(
+                TimedStep(
+                    size,
+                    decoding + 1,
+                    tokens,
+                    blocks,
+                    chunk,
+                    seconds,
+                    padded_tokens=decoding * held,
+                    prefill_pairs=chunk * chunk,
+                )
+            )
         for request_id in ids:
             engine.cancel(request_id)
     return steps

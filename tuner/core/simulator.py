@@ -186,6 +186,7 @@ class _Server:
         self.peak_bytes = self.peak_blocks = 0
         self.kv_byte_s = self.busy_s = self.pause_s = 0.0
         self.prefill_tokens = 0  # prompt tokens computed in the coming step
+        self.prefill_pairs = 0  # and their attention pairs (`calibration.STEP_FORM`)
         policy = server.policy
         self.max_seqs = policy.max_num_seqs
         self.token_budget = policy.max_num_batched_tokens
@@ -311,7 +312,7 @@ class _Server:
         available = self.num_blocks - self._referenced() - self._need()
         if self.blocked and self.blocked[0] == self.waiting[0] and self.blocked[1] > available:
             return False
-        joining, prefill = [], 0
+        joining, prefill, pairs = [], 0, 0
         room = self.max_seqs - len(self.ids) - len(self.prefilling)
         while self.waiting and room > 0:
             request = self.waiting[0]
@@ -338,13 +339,14 @@ class _Server:
             compute = held - (held_hits + cached_hits) * size
             if self.token_budget is None:
                 prefill += compute
+                pairs += _pairs(held - compute, compute)
                 joining.append((request, held, shared))
             else:
                 self.prefilling.append([request, compute, held, shared])
                 self.pending_blocks += -(-(held + 1) // size) - shared
         if joining:
             self._join(joining)
-            self.prefill_tokens = prefill
+            self.prefill_tokens, self.prefill_pairs = prefill, pairs
         self._evict_to_fit()
         return bool(joining)
 
@@ -367,11 +369,12 @@ class _Server:
         pending prompt chunks in admission order; requests whose last chunk is computed join
         the running ones. Sets the step's prefill tokens; True if any request joined."""
         budget = max(0, self.token_budget - len(self.ids))
-        joining, computed = [], 0
+        joining, computed, pairs = [], 0, 0
         for entry in self.prefilling:
             if budget == 0:
                 break
             take = min(entry[1], budget)
+            pairs += _pairs(entry[2] - entry[1], take)
             entry[1] -= take
             budget -= take
             computed += take
@@ -381,13 +384,15 @@ class _Server:
             joining.append((request, held, shared))
         if joining:
             self._join(joining)
-        self.prefill_tokens = computed
+        self.prefill_tokens, self.prefill_pairs = computed, pairs
         return bool(joining) or computed > 0
 
     def _prefill_only_step(self) -> None:
         """A step that computes prompt chunks while nothing decodes."""
         cost = self.cost
         step_s = cost.fixed_s + self.prefill_tokens * cost.prefill_s_per_token
+        if cost.prefill_s_per_pair:
+            step_s += self.prefill_pairs * cost.prefill_s_per_pair
         referenced = self._referenced()
         self._account(referenced * self.block_size, referenced, referenced * step_s, 0, step_s)
         self.t += step_s
@@ -433,6 +438,10 @@ class _Server:
         held = self.sum_base + n * steps  # tokens held before these steps
         per_block, slope = cost.per_block_s, cost.per_token_s * n
         const = cost.fixed_s + cost.per_token_s * (held + n) + cost.per_sequence_s * n
+        if cost.per_padded_token_s:  # the batch padded to its longest context
+            longest = max(self.base) + steps + 1
+            const += cost.per_padded_token_s * n * longest
+            slope += cost.per_padded_token_s * n
         stop = self._boundary_time()
         if not self.waiting and self.next_arrival < len(self.arrivals):
             stop = min(stop, self.arrivals[self.next_arrival])
@@ -449,6 +458,8 @@ class _Server:
             if k == 0:
                 if admitted:
                     step_s += self.prefill_tokens * cost.prefill_s_per_token
+                    if cost.prefill_s_per_pair:
+                        step_s += self.prefill_pairs * cost.prefill_s_per_pair
                 first_end = t + step_s
             table_blocks = blocks
             elapsed += step_s
@@ -545,3 +556,10 @@ class _Server:
         self.pause_s += pause
         self.counters["swaps"] += 1
         self.switches.append((boundary, self.t, new_size))
+
+
+def _pairs(before: int, computed: int) -> int:
+    """Attention pairs of computing `computed` prompt tokens after `before` are in place: the
+    chunk's queries against its prompt's keys up to the chunk's end (the engine's causal
+    attention computes the rectangle and masks it)."""
+    return computed * (before + computed)

@@ -16,8 +16,12 @@ the running requests. The pool holds `CostModel.capacity_slots(B)` token slots
 in whole blocks, as the engine sizes it from the KV budget.
 
 A calibration with an engine section (`blocktune calibrate --engine`) has
-these five coefficients measured: whole engine steps of the policy's model
-timed on the device and fitted per block size. They replace the derived ones.
+these coefficients measured, and two more that the derived model leaves at 0
+(`calibration.STEP_FORM`): the batch padded to its longest context (a decode
+attention that gathers the batch into one padded tensor, as the torch backend
+does) and the prompt's attention pairs (quadratic in a prompt's length). Whole
+engine steps of the policy's model are timed on the device and fitted per
+block size; they replace the derived coefficients.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class StepCost:
     per_token_s: float
     per_sequence_s: float
     prefill_s_per_token: float
+    per_padded_token_s: float = 0.0
+    prefill_s_per_pair: float = 0.0
 
 
 @dataclass(frozen=True)

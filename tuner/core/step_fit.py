@@ -1,8 +1,9 @@
 """Fit the simulator's step form (`STEP_FORM`) to timed engine steps, per block size.
 
 Each timed step is one row: the step's features as the simulator counts them
-(requests, context tokens and blocks they hold, prompt tokens computed) and its
-measured seconds. Per block size the five non-negative coefficients minimise
+(requests, context tokens and blocks they hold, the batch padded to its longest
+context, prompt tokens computed and their attention pairs) and its measured
+seconds. Per block size the seven non-negative coefficients minimise
 the squared *relative* error (each row divided by its time), so short decode
 steps weigh as much as long prefill steps; columns are scaled to unit maximum
 first, which keeps the non-negative least squares (`scipy.optimize.nnls`) well
@@ -31,17 +32,26 @@ class TimedStep:
     context_blocks: int
     prefill_tokens: int
     seconds: float
+    padded_tokens: int = 0
+    prefill_pairs: int = 0
 
     @property
     def features(self) -> tuple[float, ...]:
         """The multipliers of `StepCoefficients`' fields, in their order."""
-        return (1.0, self.context_blocks, self.context_tokens, self.sequences, self.prefill_tokens)
+        return (
+            1.0,
+            self.context_blocks,
+            self.context_tokens,
+            self.sequences,
+            self.prefill_tokens,
+            self.padded_tokens,
+            self.prefill_pairs,
+        )
 
 
 def predict_step_s(coefficients: StepCoefficients, step: TimedStep) -> float:
     """The step time `STEP_FORM` gives for `step`'s features."""
-    c = coefficients
-    terms = (c.fixed_s, c.per_block_s, c.per_token_s, c.per_sequence_s, c.prefill_s_per_token)
+    terms = [getattr(coefficients, name) for name in StepCoefficients.model_fields]
     return float(np.dot(terms, step.features))
 
 
