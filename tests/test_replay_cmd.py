@@ -33,7 +33,7 @@ def test_embedded_day_table_report_and_plots(capsys, tmp_path, policy_file):
     printed = capsys.readouterr().out
     lines = printed.splitlines()
     assert lines[0].startswith("trace: synthetic customer-service day (seed 0, 86400 s")
-    assert "KV budget 3.50 GiB, candidates 8 16 32 64" in lines[1]
+    assert "KV budget 3.5 GiB, candidates 8 16 32 64" in lines[1]
     assert lines[3].split()[:4] == ["policy", "B", "goodput", "tok/s"]
     assert [line.split()[0] for line in lines[5:11]] == list(POLICIES)
     assert "goal: capacity, scored in a replay as SLO goodput" in printed

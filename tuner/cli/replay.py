@@ -128,6 +128,8 @@ def _print_setup(
     frame: pd.DataFrame, label: str, policy: Policy, policy_file: str, calibration: str
 ) -> None:
     """What is about to be replayed: the trace, the deployment and the calibration."""
+    from blocktune.tuner.replay.report import format_bytes
+
     span = float(frame.arrival_s.max() - frame.arrival_s.min())
     shared = int(frame.prefix_group.notna().sum()) if "prefix_group" in frame else 0
     print(
@@ -137,7 +139,7 @@ def _print_setup(
     )
     print(
         f"policy: {policy.deployment} ({policy_file}): KV budget "
-        f"{int(policy.kv_budget) / 2**30:.2f} GiB, candidates "
+        f"{format_bytes(int(policy.kv_budget))}, candidates "
         f"{' '.join(map(str, policy.candidates))}, decisions every "
         f"{policy.interval.total_seconds():g} s, min_dwell {policy.min_dwell.total_seconds():g} s"
     )
