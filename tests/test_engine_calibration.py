@@ -123,6 +123,24 @@ def test_validate_prints_and_writes_the_comparison(measured, tmp_path, capsys):
         assert result["relative_error"]["tpot_p50_s"] == pytest.approx(
             predicted["tpot_p50_s"] / measured_mean["tpot_p50_s"] - 1
         )
+    # A replay priced by the same calibration carries the check in its report...
+    replay = ["replay", "--policy", str(policy_path), "--duration", "3600", "--rate-scale", "0.002"]
+    replay += ["--validation", str(out), "--json", str(tmp_path / "report.json")]
+    assert main([*replay, "--calibration", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "fidelity (blocktune validate on synthetic customer-service day" in printed
+    fidelity = json.loads((tmp_path / "report.json").read_text())["fidelity"]
+    assert fidelity["median_abs_error"] == report["median_abs_error"]
+    assert fidelity["rank_agreement"] == report["rank_agreement"]
+    assert fidelity["relative_error"]["16"] == report["results"][1]["relative_error"]
+    # ... and a replay priced by another says the check does not describe it.
+    analytic = tmp_path / "analytic.yaml"
+    analytic.write_text(analytic_calibration().to_yaml())
+    assert main([*replay, "--calibration", str(analytic)]) == 0
+    warnings = json.loads((tmp_path / "report.json").read_text())["warnings"]
+    assert any(
+        w.startswith("the fidelity check was made with another calibration") for w in warnings
+    )
 
 
 def test_validate_needs_an_engine_calibration(measured, tmp_path, capsys):

@@ -167,7 +167,9 @@ def test_report_json_has_exactly_the_documented_keys(day_report, tmp_path):
         "warnings",
         "results",
         "timeline",
+        "fidelity",
     }
+    assert data["fidelity"] is None  # no fidelity check was given
     assert data["goal"] == "capacity" and data["goal_higher_is_better"] is True
     assert data["warnings"] == []
     assert {"replay_s", "tpot_p50_s", "goal_value"} <= set(RESULT_KEYS)

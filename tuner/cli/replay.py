@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,12 +82,14 @@ def run_replay(args: argparse.Namespace) -> int:
     from blocktune.traces.synth import WorkloadError
     from blocktune.tuner.core.calibration import CalibrationError
     from blocktune.tuner.core.config_files import ConfigError
+    from blocktune.tuner.replay.fidelity import load_fidelity
     from blocktune.tuner.replay.plots import write_plots
     from blocktune.tuner.replay.report import format_replay_table, report_dict, write_json
     from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError
 
     try:
         policy, calibration = load_policy_and_calibration(args.policy, args.calibration)
+        fidelity = None if args.validation is None else load_fidelity(args.validation)
         frame, label = load_trace_or_day(args)
         if args.json != "-":
             _print_setup(frame, label, policy, args.policy, calibration.describe())
@@ -101,10 +104,18 @@ def run_replay(args: argparse.Namespace) -> int:
     ) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if fidelity is not None:
+        report = replace(
+            report,
+            fidelity=fidelity.to_dict(),
+            warnings=[*report.warnings, *fidelity.warnings(calibration.describe())],
+        )
     if args.json == "-":
         print(json.dumps(report_dict(report), indent=2, allow_nan=False))
     else:
         print(format_replay_table(report))
+        if fidelity is not None:
+            print(fidelity.summary())
         for warning in report.warnings:
             print(f"warning: {warning}")
         switches = report.runs[ADAPTIVE].switches
@@ -193,4 +204,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     add_day_arguments(parser)
     add_calibration_argument(parser)
+    parser.add_argument(
+        "--validation",
+        metavar="FILE",
+        help="the JSON of `blocktune validate` for this calibration: its fidelity (how far "
+        "the simulator was from the live engine) goes into the report, with warnings where it "
+        "misses its goals",
+    )
     parser.set_defaults(handler=run_replay)

@@ -1,9 +1,11 @@
 """The replay report as JSON (report.json) and as a fixed-width table.
 
-The JSON object is ``{"trace": {...}, "policy": {...}, "results": [...],
-"timeline": [...]}``; each result has exactly the keys of `RESULT_KEYS` and
-each timeline point ``t_s``, ``block_size`` and ``median_len``. Numbers that
-do not exist (a percentile of nothing) are null.
+The JSON object is ``{"trace": {...}, "policy": {...}, "goal", "goal_higher_is_better",
+"warnings": [...], "results": [...], "timeline": [...], "fidelity"}``; each result has
+exactly the keys of `RESULT_KEYS`, each timeline point ``t_s``, ``block_size`` and
+``median_len``, and ``fidelity`` is the calibration's fidelity check
+(`fidelity.Fidelity.to_dict`) or null. Numbers that do not exist (a percentile of
+nothing) are null.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ def report_dict(report: ReplayReport) -> dict:
                 {"t_s": p.t_s, "block_size": p.block_size, "median_len": p.median_len}
                 for p in report.timeline
             ],
+            "fidelity": report.fidelity,
         }
     )
 

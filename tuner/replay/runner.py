@@ -147,7 +147,8 @@ class ReplayReport:
     """Every policy's result on one trace, the adaptive timeline and what the plots need.
 
     `oracle_schedule[i]` is the oracle's size in interval i; `runs` maps each
-    policy name to its simulated `Run`.
+    policy name to its simulated `Run`; `fidelity` is the calibration's fidelity
+    check when the replay was given one (`fidelity.Fidelity.to_dict`).
     """
 
     trace: dict
@@ -159,6 +160,7 @@ class ReplayReport:
     workload: Workload = field(repr=False)
     runs: dict[str, Run] = field(repr=False)
     warnings: list[str] = field(default_factory=list)
+    fidelity: dict | None = None
 
     def result(self, name: str) -> PolicyResult:
         """The result of the policy called `name` (KeyError if absent)."""

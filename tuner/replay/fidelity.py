@@ -1,0 +1,108 @@
+"""A calibration's fidelity check (`blocktune validate --json`), attached to a replay.
+
+`blocktune replay --validation FILE` reads the JSON that `blocktune validate`
+wrote for the calibration the replay uses: how far the simulator's predictions
+were from the live engine, per block size and as the median over them, and
+whether both ranked the block sizes alike. The replay report carries it
+(`fidelity` in report.json, a line under the table), and warns where a median
+error is above `FIDELITY_GOALS`, where the rankings disagreed, or where the
+check was made with another calibration than the replay's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict
+
+from blocktune.tuner.core.config_files import load_yaml_model
+from blocktune.tuner.replay.validation_report import GOAL_METRICS
+
+__all__ = ["FIDELITY_GOALS", "Fidelity", "load_fidelity"]
+
+FIDELITY_GOALS = {"tokens_per_s": 0.10, "tpot_p50_s": 0.10, "ttft_p99_s": 0.25}
+"""Median |relative error| over the block sizes above which a replay warns, per metric."""
+
+_LABELS = {"tokens_per_s": "tok/s", "tpot_p50_s": "TPOT p50", "ttft_p99_s": "TTFT p99"}
+
+
+class _Read(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class _Trace(_Read):
+    label: str
+
+
+class _Setup(_Read):
+    calibration: str
+
+
+class _Result(_Read):
+    block_size: int
+    relative_error: dict[str, float | None]
+
+
+class Fidelity(_Read):
+    """The parts of a `blocktune validate --json` file that a replay reports."""
+
+    trace: _Trace
+    setup: _Setup
+    rank_by: str
+    rank_agreement: bool
+    median_abs_error: dict[str, float | None]
+    results: list[_Result]
+
+    def summary(self) -> str:
+        """One line: the check's trace, its median errors and whether the rankings agree."""
+        errors = ", ".join(
+            f"{_LABELS[m]} {_percent(self.median_abs_error.get(m))}" for m in GOAL_METRICS
+        )
+        verdict = "agree" if self.rank_agreement else "disagree"
+        return (
+            f"fidelity (blocktune validate on {self.trace.label}): median |error| over the "
+            f"block sizes {errors}; rankings by {self.rank_by} {verdict}"
+        )
+
+    def warnings(self, calibration: str) -> list[str]:
+        """What a reader of a replay priced by `calibration` (its description) must know."""
+        out = []
+        if self.setup.calibration != calibration:
+            out.append(
+                f"the fidelity check was made with another calibration ({self.setup.calibration})"
+                f" than this replay's ({calibration}): it does not describe these predictions"
+            )
+        for metric, goal in FIDELITY_GOALS.items():
+            error = self.median_abs_error.get(metric)
+            if error is not None and error > goal:
+                out.append(
+                    f"the simulator missed the live engine by {error:.1%} on {_LABELS[metric]} "
+                    f"(median over the block sizes; aimed for under {goal:.0%}): read this "
+                    "replay's figures of it as estimates"
+                )
+        if not self.rank_agreement:
+            out.append(
+                f"the simulator and the live engine ranked the block sizes differently by "
+                f"{self.rank_by}: the best size of this replay may not be the engine's"
+            )
+        return out
+
+    def to_dict(self) -> dict:
+        """The report.json section: trace, calibration, rankings and errors per block size."""
+        return {
+            "trace": self.trace.label,
+            "calibration": self.setup.calibration,
+            "rank_by": self.rank_by,
+            "rank_agreement": self.rank_agreement,
+            "median_abs_error": self.median_abs_error,
+            "relative_error": {r.block_size: r.relative_error for r in self.results},
+        }
+
+
+def load_fidelity(path: Path | str) -> Fidelity:
+    """Read a `blocktune validate --json` file; `ConfigError` names the file, line and key."""
+    return load_yaml_model(path, Fidelity)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
