@@ -172,7 +172,12 @@ def test_bundled_policies_are_found_by_name_from_any_directory(tmp_path, monkeyp
     from blocktune.tuner.core.policy import bundled_policies, policy_path
 
     monkeypatch.chdir(tmp_path)
-    assert set(bundled_policies()) == {"default", "long_document", "customer_service_llama8b"}
+    assert set(bundled_policies()) == {
+        "default",
+        "long_document",
+        "customer_service_llama8b",
+        "customer_service_shared_gpu",
+    }
     assert load_policy().deployment == load_policy(POLICIES / "default.yaml").deployment
     named = load_policy("customer_service_llama8b")
     assert named == load_policy(POLICIES / "customer_service_llama8b.yaml")
