@@ -4,7 +4,8 @@ For each block size B a fresh `Engine` with the model serves steps of known
 shape, each timed by the wall clock around `Engine.step()`:
 
 - decode steps: n requests at context c for every (n, c) of the grid, the
-  mean of `repeats` consecutive steps (the context grows by one a step);
+  mean of `repeats` consecutive steps (the context grows by one a step) after
+  `SETTLE_STEPS` untimed ones;
 - prefill steps: one prompt of k tokens for every chunk size k, alone and
   next to a decode batch (the grid's middle n and c), mean of `repeats`.
 
@@ -59,6 +60,10 @@ __all__ = [
 ]
 
 WARMUP_STEPS = 3
+SETTLE_STEPS = 5
+"""Untimed decode steps after a batch is admitted: the first steps after an admission run
+10-30% slower than the steady ones (measured on tiny-random, one CPU thread), and the
+decodes a simulator prices are mostly steady ones."""
 STEP_CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 """How a step is timed: wall time, or the calling thread's CPU time."""
 
@@ -77,7 +82,8 @@ class EngineGrid:
     def longest(self) -> int:
         """The most tokens a request of the grid holds."""
         mixed_steps = len(self.prefill_chunks) * self.repeats
-        return max(*self.context_lens, *self.prefill_chunks) + mixed_steps + self.repeats + 2
+        decode_steps = SETTLE_STEPS + self.repeats
+        return max(*self.context_lens, *self.prefill_chunks) + mixed_steps + decode_steps + 2
 
 
 def default_engine_grid(*, quick: bool, block_sizes: tuple[int, ...]) -> EngineGrid:
@@ -267,8 +273,8 @@ def _decode_steps(
 ) -> list[TimedStep]:
     """Decode batches of one context each, and batches whose first half holds the grid's
     shortest context (padded to the longest by a gathering attention)."""
-    size, middle = engine.block_size, (grid.repeats + 1) // 2
-    shortest = min(grid.context_lens)
+    size, middle = engine.block_size, SETTLE_STEPS + (grid.repeats + 1) // 2
+    shortest, lifetime = min(grid.context_lens), SETTLE_STEPS + grid.repeats
     steps = []
     for batch in grid.batch_sizes:
         for context in grid.context_lens:
@@ -276,8 +282,10 @@ def _decode_steps(
             if batch > 1 and context > shortest:
                 mixes.append((batch // 2, batch - batch // 2))
             for short, long in mixes:
-                ids = _start(engine, rng, short, shortest, grid.repeats + 1) if short else []
-                ids += _start(engine, rng, long, context, grid.repeats)
+                ids = _start(engine, rng, short, shortest, lifetime + 1) if short else []
+                ids += _start(engine, rng, long, context, lifetime)
+                for _ in range(SETTLE_STEPS):
+                    engine.step()
                 seconds = float(np.mean([_timed_step(engine, timer) for _ in range(grid.repeats)]))
                 low, high = shortest + middle, context + middle  # the middle step's contexts
                 tokens = short * low + long * high
