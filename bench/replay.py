@@ -18,7 +18,7 @@ import time
 from blocktune.traces.synth import CUSTOMER_SERVICE_PHASES, customer_service_day
 from blocktune.tuner.core.calibration import calibration_for
 from blocktune.tuner.core.defaults import DEFAULT_POLICY
-from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.core.policy import load_policy, policy_path
 from blocktune.tuner.replay.report import format_replay_table
 from blocktune.tuner.replay.runner import replay
 
@@ -31,11 +31,15 @@ def requests_per_day() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=1_000_000, help="about this many")
-    parser.add_argument("--policy", default=DEFAULT_POLICY, help="policy YAML")
+    parser.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        help="policy YAML file or bundled name (default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic day")
     args = parser.parse_args()
     policy = load_policy(args.policy)
-    calibration = calibration_for(policy, args.policy.parent)
+    calibration = calibration_for(policy, policy_path(args.policy).parent)
     scale = args.requests / requests_per_day()
     start = time.perf_counter()
     day = customer_service_day(args.seed, rate_scale=scale)
@@ -45,7 +49,7 @@ def main() -> None:
         f"{len(day)} requests, {int(day.output_tokens.sum())} output tokens "
         f"(built in {built:.1f} s)"
     )
-    print(f"policy: {policy.deployment} ({args.policy.name}); {calibration.describe()}")
+    print(f"policy: {policy.deployment} ({args.policy}); {calibration.describe()}")
     start = time.perf_counter()
     report = replay(day, policy, calibration, label="benchmark day", progress=True)
     total = time.perf_counter() - start
