@@ -132,3 +132,7 @@ def test_rankings_compare_only_block_sizes_apart_beyond_the_run_to_run_noise():
     assert checks[0].noise("tokens_per_s") == pytest.approx(2 / 101)
     swapped = [check(8, 130, 100, 102), *checks[1:]]
     assert not Validation(trace={}, setup={}, checks=swapped, rank_by="tokens_per_s").rank_agreement
+    # Runs that repeat exactly (no noise) and sizes 0.01% apart: ties, not a disagreement.
+    exact = [check(8, 76.61, 76.60, 76.60), check(16, 76.60, 76.61, 76.61)]
+    flat = Validation(trace={}, setup={}, checks=exact, rank_by="tokens_per_s")
+    assert flat.noise("tokens_per_s") == 0 and flat.compared_pairs() == [] and flat.rank_agreement
