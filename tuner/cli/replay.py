@@ -44,10 +44,10 @@ def _replay(
     frame: pd.DataFrame, policy: Policy, calibration: Calibration, label: str, args
 ) -> ReplayReport:
     """The replay, its policies in --jobs worker processes (no more than there are policies;
-    1: here, one after another)."""
+    1: here, one after another), with progress bars on a terminal for long traces."""
     from blocktune.tuner.replay.runner import replay
 
-    progress = len(frame) >= PROGRESS_MIN_REQUESTS
+    progress = len(frame) >= PROGRESS_MIN_REQUESTS and sys.stderr.isatty()
     if args.jobs == 1:
         return replay(
             frame,

@@ -52,7 +52,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         with dask_client(args.scheduler, args.workers) as client:
             workers = len(client.scheduler_info()["workers"])
             print(f"cluster: {client.scheduler.address} with {workers} workers", flush=True)
-            result = run_sweep(client, points)
+            result = run_sweep(client, points, progress=sys.stderr.isatty())
     except KeyboardInterrupt:
         print("cancelled: the sweep's tasks were cancelled, nothing written", file=sys.stderr)
         return EXIT_INTERRUPTED
