@@ -36,16 +36,16 @@ def _kib(value: float) -> str:
     return f"{value / 1024:.1f}"
 
 
-_FORECAST_COLUMNS = (
-    ("capacity", "x load", lambda f: f"{f.capacity:.3g}"),
-    ("tok/s", "", lambda f: f"{f.observed.tokens_per_s:.1f}"),
-    ("TTFT p50", "s", lambda f: f"{f.observed.ttft_p50_s:.3f}"),
-    ("TTFT p99", "s", lambda f: f"{f.observed.ttft_p99_s:.3f}"),
-    ("TPOT p50", "ms", lambda f: f"{f.observed.tpot_p50_s * 1e3:.1f}"),
-    ("TPOT p99", "ms", lambda f: f"{f.observed.tpot_p99_s * 1e3:.1f}"),
-    ("preempt", "", lambda f: str(f.observed.preemptions)),
-    ("TTFT p99", "@headroom", lambda f: f"{f.headroom.ttft_p99_s:.3f}"),
-)
+def _forecast_columns() -> tuple:
+    from blocktune.tuner.core.forecast import ServingMetrics
+
+    return (
+        ("capacity", "x load", lambda f: f"{f.capacity:.3g}"),
+        *ServingMetrics.columns(lambda f: f.observed),
+        ("preempt", "", lambda f: str(f.observed.preemptions)),
+        ("TTFT p99", "@headroom", lambda f: f"{f.headroom.ttft_p99_s:.3f}"),
+    )
+
 
 _COST_COLUMNS = (
     ("padding", "%", lambda c: f"{c.padding_ratio:.1%}"),
@@ -77,7 +77,7 @@ def format_decision_table(decision: Decision, snapshot: WindowSnapshot) -> str:
             "predicted service on the window at the observed load (capacity: the load "
             "multiple served within the SLO):"
         )
-        lines += text_table(_rows(_FORECAST_COLUMNS, decision.forecasts, decision.block_size))
+        lines += text_table(_rows(_forecast_columns(), decision.forecasts, decision.block_size))
     lines.append("cost terms (J: time per generated token with the KV budget full):")
     lines += text_table(_rows(_COST_COLUMNS, decision.candidates, decision.block_size))
     total = snapshot.total

@@ -329,9 +329,8 @@ def calibration_for(policy: Policy, policy_dir: Path) -> Calibration:
     path = policy.calibration_path(policy_dir)
     if path is None:
         return default_calibration()
-    bundled = bundled_names().get(policy.calibration)
-    if bundled is not None and not path.exists():
-        return load_calibration(bundled)
+    if not path.exists():
+        path = bundled_names().get(policy.calibration, path)
     return load_calibration(path)
 
 

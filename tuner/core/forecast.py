@@ -22,7 +22,9 @@ what the bisection relies on.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -107,6 +109,18 @@ class ServingMetrics:
             e2e_p99_s=float(np.percentile(finish_s - arrival, 99)),
             peak_kv_bytes=peak_kv_bytes,
             preemptions=preemptions,
+        )
+
+    @staticmethod
+    def columns(of: Callable[[Any], Any]) -> tuple:
+        """`text_table` columns (title, unit, cell) of tokens/s and the TTFT and TPOT
+        percentiles of the metrics `of(row)` gives (a `ServingMetrics` or alike)."""
+        return (
+            ("tok/s", "", lambda row: f"{of(row).tokens_per_s:.1f}"),
+            ("TTFT p50", "s", lambda row: f"{of(row).ttft_p50_s:.3f}"),
+            ("TTFT p99", "s", lambda row: f"{of(row).ttft_p99_s:.3f}"),
+            ("TPOT p50", "ms", lambda row: f"{of(row).tpot_p50_s * 1e3:.1f}"),
+            ("TPOT p99", "ms", lambda row: f"{of(row).tpot_p99_s * 1e3:.1f}"),
         )
 
     def meets(self, slo: SloSettings) -> bool:

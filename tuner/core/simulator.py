@@ -293,16 +293,16 @@ class _Server:
     def _remove(self, keep: list[bool]) -> None:
         """Drop the running requests whose `keep` entry is false."""
         size, steps, counts = self.block_size, self.steps, self.base_counts
-        for base, kept in zip(self.base, keep, strict=True):
+        for base, shared, kept in zip(self.base, self.shared, keep, strict=True):
             if not kept:
                 self.table_blocks -= -(-(base + steps) // size)
                 self.sum_base -= base
+                self.sum_shared -= shared
                 counts[base % size] -= 1
         self.ids = list(compress(self.ids, keep))
         self.base = list(compress(self.base, keep))
         self.last = list(compress(self.last, keep))
         self.shared = list(compress(self.shared, keep))
-        self.sum_shared = sum(self.shared)
 
     # ---------------------------------------------------------------- admission
     def _admit(self) -> bool:

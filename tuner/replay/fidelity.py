@@ -16,14 +16,12 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from blocktune.tuner.core.config_files import load_yaml_model
-from blocktune.tuner.replay.validation_report import GOAL_METRICS
+from blocktune.tuner.replay.validation_report import format_median_errors, metric_title
 
 __all__ = ["FIDELITY_GOALS", "Fidelity", "load_fidelity"]
 
 FIDELITY_GOALS = {"tokens_per_s": 0.10, "tpot_p50_s": 0.10, "ttft_p99_s": 0.25}
 """Median |relative error| over the block sizes above which a replay warns, per metric."""
-
-_LABELS = {"tokens_per_s": "tok/s", "tpot_p50_s": "TPOT p50", "ttft_p99_s": "TTFT p99"}
 
 
 class _Read(BaseModel):
@@ -55,9 +53,7 @@ class Fidelity(_Read):
 
     def summary(self) -> str:
         """One line: the check's trace, its median errors and whether the rankings agree."""
-        errors = ", ".join(
-            f"{_LABELS[m]} {_percent(self.median_abs_error.get(m))}" for m in GOAL_METRICS
-        )
+        errors = format_median_errors(self.median_abs_error)
         verdict = "agree" if self.rank_agreement else "disagree"
         return (
             f"fidelity (blocktune validate on {self.trace.label}): median |error| over the "
@@ -76,9 +72,9 @@ class Fidelity(_Read):
             error = self.median_abs_error.get(metric)
             if error is not None and error > goal:
                 out.append(
-                    f"the simulator missed the live engine by {error:.1%} on {_LABELS[metric]} "
-                    f"(median over the block sizes; aimed for under {goal:.0%}): read this "
-                    "replay's figures of it as estimates"
+                    f"the simulator missed the live engine by {error:.1%} on "
+                    f"{metric_title(metric)} (median over the block sizes; aimed for under "
+                    f"{goal:.0%}): read this replay's figures of it as estimates"
                 )
         if not self.rank_agreement:
             out.append(
@@ -102,7 +98,3 @@ class Fidelity(_Read):
 def load_fidelity(path: Path | str) -> Fidelity:
     """Read a `blocktune validate --json` file; `ConfigError` names the file, line and key."""
     return load_yaml_model(path, Fidelity)
-
-
-def _percent(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
-from blocktune.tuner.core.forecast import goal_higher_is_better
+from blocktune.tuner.core.forecast import ServingMetrics, goal_higher_is_better
 from blocktune.tuner.core.jsonable import to_jsonable
 from blocktune.tuner.core.text_table import text_table
 from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayReport, static_name
@@ -134,11 +134,7 @@ def _columns(goal: str) -> tuple:
         ("policy", "", lambda r: r.policy),
         ("B", "tokens", lambda r: "-" if r.block_size is None else str(r.block_size)),
         (title, unit, lambda r: f"{r.goal_value:.{decimals}f}"),
-        ("tok/s", "", lambda r: f"{r.tokens_per_s:.1f}"),
-        ("TTFT p50", "s", lambda r: f"{r.ttft_p50_s:.3f}"),
-        ("TTFT p99", "s", lambda r: f"{r.ttft_p99_s:.3f}"),
-        ("TPOT p50", "ms", lambda r: f"{r.tpot_p50_s * 1e3:.1f}"),
-        ("TPOT p99", "ms", lambda r: f"{r.tpot_p99_s * 1e3:.1f}"),
+        *ServingMetrics.columns(lambda r: r),
         ("e2e p99", "s", lambda r: f"{r.e2e_p99_s:.2f}"),
         ("peak KV", "", lambda r: format_bytes(r.peak_kv_bytes)),
         ("mean KV", "", lambda r: format_bytes(r.mean_kv_bytes)),

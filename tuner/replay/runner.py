@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -119,20 +119,12 @@ class PolicyResult:
         replay_s: float,
     ) -> PolicyResult:
         """Summarise a simulated run; `scores` is (goal value, objective)."""
-        metrics = ServingMetrics.of(run, workload)
         return cls(
             policy=name,
             block_size=block_size,
-            tokens_per_s=metrics.tokens_per_s,
-            ttft_p50_s=metrics.ttft_p50_s,
-            ttft_p99_s=metrics.ttft_p99_s,
-            tpot_p50_s=metrics.tpot_p50_s,
-            tpot_p99_s=metrics.tpot_p99_s,
-            e2e_p99_s=metrics.e2e_p99_s,
-            peak_kv_bytes=metrics.peak_kv_bytes,
+            **asdict(ServingMetrics.of(run, workload)),  # latencies, peak KV, preemptions
             mean_kv_bytes=run.kv_byte_s / run.end_s if run.end_s > 0 else 0.0,
             padding_ratio=run.padding_ratio,
-            preemptions=run.preemptions,
             swaps=run.swaps,
             goal_value=scores[0],
             objective=scores[1],

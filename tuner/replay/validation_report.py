@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,7 +19,14 @@ from blocktune.tuner.core.jsonable import to_jsonable
 from blocktune.tuner.replay.served_metrics import METRICS
 from blocktune.tuner.replay.validation import Validation
 
-__all__ = ["GOAL_METRICS", "format_validation_table", "validation_dict", "write_validation"]
+__all__ = [
+    "GOAL_METRICS",
+    "format_median_errors",
+    "format_validation_table",
+    "metric_title",
+    "validation_dict",
+    "write_validation",
+]
 
 GOAL_METRICS = ("tokens_per_s", "tpot_p50_s", "ttft_p99_s")
 """The metrics whose median error the summary line reports."""
@@ -94,11 +102,25 @@ def format_validation_table(validation: Validation) -> str:
                 + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
             )
     lines.append(_ranking_line(validation))
-    errors = ", ".join(
-        f"{_HEADINGS[m][0]} {validation.median_abs_error(m):.1%}" for m in GOAL_METRICS
-    )
-    lines.append(f"median |error| over block sizes: {errors}")
+    medians = {m: validation.median_abs_error(m) for m in GOAL_METRICS}
+    lines.append(f"median |error| over block sizes: {format_median_errors(medians)}")
     return "\n".join(lines)
+
+
+def format_median_errors(medians: Mapping[str, float | None]) -> str:
+    """The `GOAL_METRICS` medians of a check as text: "tok/s 2.5%, TPOT p50 3.5%, ..." (a
+    missing or NaN median as "-")."""
+    cells = []
+    for metric in GOAL_METRICS:
+        value = medians.get(metric)
+        shown = "-" if value is None or math.isnan(value) else f"{value:.1%}"
+        cells.append(f"{metric_title(metric)} {shown}")
+    return ", ".join(cells)
+
+
+def metric_title(metric: str) -> str:
+    """How tables and summaries name a metric of `METRICS` ("TPOT p50")."""
+    return _HEADINGS[metric][0]
 
 
 def _value(metric: str, value: float) -> str:
