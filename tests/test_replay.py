@@ -226,25 +226,31 @@ def test_azure_conversation_trace_replays_under_every_policy():
     assert padding[0] < 0.01  # long prompts: under 1% padding at B=16 (docs/architecture.md)
 
 
-def day_promotion_day(seed: int = 0) -> pd.DataFrame:
-    """30 minutes each: long documents at 0.1 req/s, a burst of short chats at 40 req/s, the
-    documents again."""
+def phased(phases, seed: int = 0) -> pd.DataFrame:
+    """Requests in back-to-back phases of (seconds, requests/s, prompt and output token
+    ranges), arriving uniformly within each."""
     rng = np.random.default_rng(seed)
-    phases = [(0, 0.1, (800, 1200), (100, 200)), (1, 40.0, (15, 25), (8, 24))]
-    phases.append((2, *phases[0][1:]))
-    parts = []
-    for index, rate, prompts, outputs in phases:
-        count = rng.poisson(rate * 1800)
+    parts, start = [], 0.0
+    for seconds, rate, prompts, outputs in phases:
+        count = rng.poisson(rate * seconds)
         parts.append(
             pd.DataFrame(
                 {
-                    "arrival_s": np.sort(rng.uniform(index * 1800, (index + 1) * 1800, count)),
+                    "arrival_s": np.sort(rng.uniform(start, start + seconds, count)),
                     "prompt_tokens": rng.integers(*prompts, count),
                     "output_tokens": rng.integers(*outputs, count),
                 }
             )
         )
+        start += seconds
     return pd.concat(parts, ignore_index=True)
+
+
+def day_promotion_day(seed: int = 0) -> pd.DataFrame:
+    """30 minutes each: long documents at 0.1 req/s, a burst of short chats at 40 req/s, the
+    documents again."""
+    documents = (1800, 0.1, (800, 1200), (100, 200))
+    return phased([documents, (1800, 40.0, (15, 25), (8, 24)), documents], seed)
 
 
 def test_when_a_promotion_fills_the_cache_the_tuner_follows_it_to_the_best_static_size():
@@ -266,6 +272,48 @@ def test_when_a_promotion_fills_the_cache_the_tuner_follows_it_to_the_best_stati
     assert goal[ADAPTIVE] >= 1.10 * goal[static_name(16)]
     (_, switched_at, size), *_ = report.runs[ADAPTIVE].switches
     assert size == 8 and 1800 < switched_at < 1800 + 5 * 60
+
+
+LLAMA2_7B = {
+    "num_layers": 32,
+    "num_heads": 32,
+    "num_kv_heads": 32,
+    "head_dim": 128,
+    "dtype": "bfloat16",
+    "num_params": 6.74e9,
+}
+"""Llama-2-7B's shape: no grouped-query attention, so 512 KiB of K and V per token, and a pool
+of a few GiB takes as long to read as a good part of the weights."""
+
+
+def test_after_the_promotion_the_tuner_swaps_back_up():
+    """Llama-2-7B with 3 GiB of KV (6144 slots), 512 sequences a step. Long documents serve
+    best at 16 or above (a block-table entry per block to read), a promotion's one-line
+    queries at 8 (less padding: more of them fit). At 305 req/s the promotion overloads
+    static-16; the tuner moves to 8 within a decision of the burst and back up after it."""
+    policy = Policy.model_validate(
+        {
+            **POLICY.model_dump(),
+            "model": LLAMA2_7B,
+            "kv_budget": "3GiB",
+            "batch": {"max_num_seqs": 512},
+            "interval": "15s",
+            "min_dwell": "2m",
+        }
+    )
+    documents = (1200, 0.1, (600, 1400), (100, 300))
+    frame = phased([documents, (1200, 305.0, (2, 8), (8, 24)), documents])
+    report = replay(frame, policy, CALIBRATION)
+    goal = {r.policy: r.goal_value for r in report.results}
+    best = max(goal[static_name(b)] for b in policy.candidates)
+    assert best == goal[static_name(8)]
+    assert goal[ADAPTIVE] >= 0.98 * best
+    assert goal[ADAPTIVE] >= 1.10 * goal[static_name(16)]
+    switches = [(at, size) for _, at, size in report.runs[ADAPTIVE].switches]
+    assert switches[0][1] == 8 and 1200 < switches[0][0] <= 1200 + 30
+    after = [(at, size) for at, size in switches if at > 2400]
+    assert after[0][1] > 8 and after[0][0] < 2400 + 5 * 60
+    assert after[-1][1] > 8
 
 
 def test_a_replay_priced_for_another_device_says_so_first():

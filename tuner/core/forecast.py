@@ -7,7 +7,16 @@ Each run gives the serving metrics a user feels (tokens/s, TTFT and TPOT
 percentiles, peak KV, preemptions). The **capacity** of a block size is the
 largest multiple of the observed arrival rate at which the policy's SLO (TTFT
 p99 and TPOT p99) still holds, found by bisection on a log scale within
-`CAPACITY_RANGE`.
+`CAPACITY_RANGE`, and which the server sustains.
+
+A sample of `FORECAST_REQUESTS` requests is short: at a high request rate it
+spans a second or two, and a server absorbs that as one burst whatever its
+block size, so its TTFT stays within the SLO at any load multiple even where
+the queue would grow without bound. A load is therefore also held to what the
+server sustains: its **sustained load** is the request rate it serves when
+saturated (the sample repeated to fill its pool or batch `SATURATION_FILLS`
+times over, all arriving at once) over the observed arrival rate. Above it the
+queue grows, so no multiple above it counts as within the SLO.
 
 Deciding needs only whether another size beats the one in force by the
 policy's `min_gain`, so the capacity of the size in force is bisected to
@@ -54,6 +63,10 @@ CAPACITY_TOLERANCE = 0.01
 
 COARSE_STEPS = 3
 """Bisection steps for a size that is clearly worse than the one in force."""
+
+SATURATION_FILLS = 4
+"""How many times over a saturation run's requests fill the pool or batch (see the module
+docstring)."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +201,30 @@ class Forecaster:
         scaled = replace(workload, arrival_s=workload.arrival_s / load)
         return ServingMetrics.of(simulate(scaled, self.server, block_size), scaled)
 
+    def sustained_load(self, workload: Workload, block_size: int) -> float:
+        """The multiple of `workload`'s arrival rate that the server sustains at `block_size`:
+        its request rate when saturated over the observed one (see the module docstring)."""
+        span = float(workload.arrival_s[-1] - workload.arrival_s[0])
+        held = float(np.mean(workload.prompt_tokens + workload.output_tokens))
+        at_once = min(self.policy.max_num_seqs, self.server.capacity_slots(block_size) / held)
+        copies = max(1, math.ceil(SATURATION_FILLS * at_once / len(workload)))
+        saturated = Workload(
+            arrival_s=np.zeros(copies * len(workload)),
+            prompt_tokens=np.tile(workload.prompt_tokens, copies),
+            output_tokens=np.tile(workload.output_tokens, copies),
+            group=[None] * (copies * len(workload)),
+            shareable_tokens=np.zeros(copies * len(workload), dtype=np.int64),
+            chains={},
+        )
+        finish = np.sort(simulate(saturated, self.server, block_size).finish_s)
+        first, last = finish[len(finish) // 4], finish[3 * len(finish) // 4]
+        served_per_s = (
+            (3 * len(finish) // 4 - len(finish) // 4) / (last - first)
+            if last > first
+            else len(finish) / finish[-1]
+        )
+        return float(served_per_s * span / (len(workload) - 1))
+
     def forecast(
         self, workload: Workload, current: int, block_sizes: tuple[int, ...]
     ) -> list[Forecast]:
@@ -198,44 +235,49 @@ class Forecaster:
             b: (self.metrics(workload, b, 1.0), self.metrics(workload, b, headroom))
             for b in block_sizes
         }
-        reference = self._capacity(workload, current, runs[current])
+        sustained = {b: self.sustained_load(workload, b) for b in block_sizes}
+        reference = self._capacity(workload, current, runs[current], sustained[current])
         out = []
         for b in block_sizes:
             capacity = reference
             above = reference * (1 + gain)
-            if b != current and above <= CAPACITY_RANGE[1] and self._meets(workload, b, above):
-                capacity = self._bisect(workload, b, reference * (1 + gain), CAPACITY_RANGE[1])
-            elif b != current and not self._meets(workload, b, reference * (1 - gain)):
+            meets = _Meets(self, workload, b, sustained[b])
+            if b != current and above <= CAPACITY_RANGE[1] and meets(above):
+                capacity = self._bisect(meets, reference * (1 + gain), CAPACITY_RANGE[1])
+            elif b != current and not meets(reference * (1 - gain)):
                 low = max(CAPACITY_RANGE[0], reference / 8)
-                capacity = self._bisect(workload, b, low, reference * (1 - gain), COARSE_STEPS)
+                capacity = self._bisect(meets, low, reference * (1 - gain), COARSE_STEPS)
             out.append(Forecast(b, runs[b][0], runs[b][1], capacity))
         return out
 
-    def _meets(self, workload: Workload, b: int, load: float) -> bool:
-        return self.metrics(workload, b, load).meets(self.policy.slo)
+    def meets(self, workload: Workload, block_size: int, load: float) -> bool:
+        """Whether the SLO holds at `load` times the arrival rate and the server sustains it."""
+        return _Meets(self, workload, block_size, self.sustained_load(workload, block_size))(load)
 
-    def _capacity(self, workload: Workload, b: int, known: tuple) -> float:
+    def _capacity(self, workload: Workload, b: int, known: tuple, sustained: float) -> float:
         """The capacity of `b`, bracketed from its observed and headroom runs, then bisected."""
         low_limit, high_limit = CAPACITY_RANGE
         headroom, slo = self.policy.headroom, self.policy.slo
-        if known[1].meets(slo):
+        meets = _Meets(self, workload, b, sustained)
+        if known[1].meets(slo) and headroom <= sustained:
             low, high = headroom, headroom * 4
-            while high < high_limit and self._meets(workload, b, high):
+            while high < high_limit and meets(high):
                 low, high = high, high * 4
             if high >= high_limit:
-                if self._meets(workload, b, high_limit):
+                if meets(high_limit):
                     return high_limit  # served within the SLO at the top of the range
                 high = high_limit
-        elif known[0].meets(slo):
+        elif known[0].meets(slo) and sustained >= 1.0:
             low, high = 1.0, headroom
         else:
             low, high = 0.25, 1.0
-            while low > low_limit and not self._meets(workload, b, low):
+            while low > low_limit and not meets(low):
                 low, high = low / 4, low
             low = max(low, low_limit)
-        return self._bisect(workload, b, low, high)
+        return self._bisect(meets, low, high)
 
-    def _bisect(self, workload: Workload, b: int, low: float, high: float, steps: int = 0) -> float:
+    @staticmethod
+    def _bisect(meets: Callable[[float], bool], low: float, high: float, steps: int = 0) -> float:
         """Bisect (geometric midpoints) between a passing `low` and a failing `high`;
         without `steps`, to `CAPACITY_TOLERANCE`. Returns the last passing multiple."""
         if not high > low:
@@ -244,8 +286,24 @@ class Forecaster:
             steps = max(1, math.ceil(math.log2(math.log(high / low) / CAPACITY_TOLERANCE)))
         for _ in range(steps):
             middle = math.sqrt(low * high)
-            if self._meets(workload, b, middle):
+            if meets(middle):
                 low = middle
             else:
                 high = middle
         return low
+
+
+@dataclass(frozen=True)
+class _Meets:
+    """Whether one block size meets the SLO at a load multiple and sustains it."""
+
+    forecaster: Forecaster
+    workload: Workload
+    block_size: int
+    sustained: float
+
+    def __call__(self, load: float) -> bool:
+        if load > self.sustained:
+            return False
+        metrics = self.forecaster.metrics(self.workload, self.block_size, load)
+        return metrics.meets(self.forecaster.policy.slo)
