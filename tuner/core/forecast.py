@@ -15,8 +15,10 @@ block size, so its TTFT stays within the SLO at any load multiple even where
 the queue would grow without bound. A load is therefore also held to what the
 server sustains: its **sustained load** is the request rate it serves when
 saturated (the sample repeated to fill its pool or batch `SATURATION_FILLS`
-times over, all arriving at once) over the observed arrival rate. Above it the
-queue grows, so no multiple above it counts as within the SLO.
+times over, all arriving at once, timed over the middle half of its
+completions, away from the first admissions and the last stragglers) over the
+observed arrival rate. Above it the queue grows, so no multiple above it
+counts as within the SLO.
 
 Deciding needs only whether another size beats the one in force by the
 policy's `min_gain`, so the capacity of the size in force is bisected to
@@ -186,13 +188,10 @@ class Forecaster:
         if len(stamps) < 2 or not stamps[-1] > stamps[0]:
             return None
         fits = min(self.server.capacity_slots(b) for b in self.policy.candidates)
-        workload = Workload(
-            arrival_s=stamps - stamps[0],
-            prompt_tokens=np.maximum(snapshot.prompt_tokens[order], 1),
-            output_tokens=np.maximum(snapshot.output_tokens[order], 1),
-            group=[None] * len(order),
-            shareable_tokens=np.zeros(len(order), dtype=np.int64),
-            chains={},
+        workload = Workload.of_lengths(
+            stamps - stamps[0],
+            np.maximum(snapshot.prompt_tokens[order], 1),
+            np.maximum(snapshot.output_tokens[order], 1),
         ).without_longer_than(fits)
         return workload if len(workload) >= 2 else None
 
@@ -208,20 +207,16 @@ class Forecaster:
         held = float(np.mean(workload.prompt_tokens + workload.output_tokens))
         at_once = min(self.policy.max_num_seqs, self.server.capacity_slots(block_size) / held)
         copies = max(1, math.ceil(SATURATION_FILLS * at_once / len(workload)))
-        saturated = Workload(
-            arrival_s=np.zeros(copies * len(workload)),
-            prompt_tokens=np.tile(workload.prompt_tokens, copies),
-            output_tokens=np.tile(workload.output_tokens, copies),
-            group=[None] * (copies * len(workload)),
-            shareable_tokens=np.zeros(copies * len(workload), dtype=np.int64),
-            chains={},
+        saturated = Workload.of_lengths(
+            np.zeros(copies * len(workload)),
+            np.tile(workload.prompt_tokens, copies),
+            np.tile(workload.output_tokens, copies),
         )
         finish = np.sort(simulate(saturated, self.server, block_size).finish_s)
-        first, last = finish[len(finish) // 4], finish[3 * len(finish) // 4]
+        quarter, three_quarters = len(finish) // 4, 3 * len(finish) // 4
+        middle_s = finish[three_quarters] - finish[quarter]
         served_per_s = (
-            (3 * len(finish) // 4 - len(finish) // 4) / (last - first)
-            if last > first
-            else len(finish) / finish[-1]
+            (three_quarters - quarter) / middle_s if middle_s > 0 else len(finish) / finish[-1]
         )
         return float(served_per_s * span / (len(workload) - 1))
 

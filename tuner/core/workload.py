@@ -88,6 +88,21 @@ class Workload:
             chains=chains,
         )
 
+    @classmethod
+    def of_lengths(
+        cls, arrival_s: np.ndarray, prompt_tokens: np.ndarray, output_tokens: np.ndarray
+    ) -> Workload:
+        """Requests with the given arrival times and lengths that share no prefix."""
+        count = len(arrival_s)
+        return cls(
+            arrival_s=np.asarray(arrival_s, dtype=np.float64),
+            prompt_tokens=np.asarray(prompt_tokens, dtype=np.int64),
+            output_tokens=np.asarray(output_tokens, dtype=np.int64),
+            group=[None] * count,
+            shareable_tokens=np.zeros(count, dtype=np.int64),
+            chains={},
+        )
+
     def without_longer_than(self, tokens: int) -> Workload:
         """The requests of at most `tokens` prompt + output tokens (self if that is all)."""
         return self._where(self.total_tokens <= tokens)
