@@ -1,5 +1,5 @@
 """Shared fixtures: a real uvicorn server, configured as the services are, on a free port;
-a sharded replay."""
+a sharded replay; a deployment whose block size matters both ways."""
 
 import contextlib
 import socket
@@ -9,7 +9,7 @@ import time
 import pytest
 import uvicorn
 
-from blocktune.tuner.core.policy import ServerSettings
+from blocktune.tuner.core.policy import Policy, ServerSettings, load_policy
 from blocktune.tuner.serving.http import server_config
 
 
@@ -66,3 +66,24 @@ def sharded_report(plan, count: int):
 def replay_in_shards():
     """`replay_in_shards(plan, count)`: the report of a sharded replay in this process."""
     return sharded_report
+
+
+@pytest.fixture
+def llama2_7b_policy() -> Policy:
+    """The customer-service policy for a Llama-2-7B shape with 3 GiB of KV (6144 slots) and
+    512 sequences a step, deciding every 15 s. Without grouped-query attention its K and V
+    take 512 KiB per token, so reading the pool weighs against reading the weights: long
+    requests serve best in larger blocks (fewer block-table entries), very short ones at 8
+    (less padding, more of them fit)."""
+    base = load_policy("customer_service_llama8b")
+    shape = {"num_heads": 32, "num_kv_heads": 32, "num_params": 6.74e9}
+    return Policy.model_validate(
+        {
+            **base.model_dump(),
+            "model": {**base.model.model_dump(), **shape},
+            "kv_budget": "3GiB",
+            "batch": {"max_num_seqs": 512},
+            "interval": "15s",
+            "min_dwell": "2m",
+        }
+    )

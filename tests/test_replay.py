@@ -274,33 +274,11 @@ def test_when_a_promotion_fills_the_cache_the_tuner_follows_it_to_the_best_stati
     assert size == 8 and 1800 < switched_at < 1800 + 5 * 60
 
 
-LLAMA2_7B = {
-    "num_layers": 32,
-    "num_heads": 32,
-    "num_kv_heads": 32,
-    "head_dim": 128,
-    "dtype": "bfloat16",
-    "num_params": 6.74e9,
-}
-"""Llama-2-7B's shape: no grouped-query attention, so 512 KiB of K and V per token, and a pool
-of a few GiB takes as long to read as a good part of the weights."""
-
-
-def test_after_the_promotion_the_tuner_swaps_back_up():
-    """Llama-2-7B with 3 GiB of KV (6144 slots), 512 sequences a step. Long documents serve
-    best at 16 or above (a block-table entry per block to read), a promotion's one-line
-    queries at 8 (less padding: more of them fit). At 305 req/s the promotion overloads
-    static-16; the tuner moves to 8 within a decision of the burst and back up after it."""
-    policy = Policy.model_validate(
-        {
-            **POLICY.model_dump(),
-            "model": LLAMA2_7B,
-            "kv_budget": "3GiB",
-            "batch": {"max_num_seqs": 512},
-            "interval": "15s",
-            "min_dwell": "2m",
-        }
-    )
+def test_after_the_promotion_the_tuner_swaps_back_up(llama2_7b_policy):
+    """Long documents serve best at 16 or above, a promotion's one-line queries at 8 (see
+    the fixture). At 305 req/s the promotion overloads static-16; the tuner moves to 8
+    within a decision of the burst and back up after it."""
+    policy = llama2_7b_policy
     documents = (1200, 0.1, (600, 1400), (100, 300))
     frame = phased([documents, (1200, 305.0, (2, 8), (8, 24)), documents])
     report = replay(frame, policy, CALIBRATION)

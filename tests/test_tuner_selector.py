@@ -8,7 +8,7 @@ import pytest
 from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.core.calibration import analytic_calibration
 from blocktune.tuner.core.forecast import CAPACITY_RANGE, Forecaster
-from blocktune.tuner.core.policy import Policy, load_policy
+from blocktune.tuner.core.policy import load_policy
 from blocktune.tuner.core.selector import InvalidBlockSize, Selector
 from blocktune.tuner.core.window import LengthWindow
 
@@ -80,26 +80,11 @@ def test_the_capacity_is_the_largest_load_within_the_slo():
     assert forecast.observed.tokens_per_s > 0 and forecast.headroom.ttft_p99_s > 0
 
 
-def test_a_sample_of_a_second_is_held_to_what_the_server_sustains():
+def test_a_sample_of_a_second_is_held_to_what_the_server_sustains(llama2_7b_policy):
     """1000 one-line queries at 305 req/s: the forecast's 128 of them span 0.4 s, a burst that
     any block size absorbs within the SLO at any multiple of the load. Held to the request
     rate each size serves when saturated, B=8 fits the most of them and B=64 the fewest."""
-    policy = Policy.model_validate(
-        {
-            **DEFAULT.model_dump(),
-            "model": {
-                "num_layers": 32,
-                "num_heads": 32,
-                "num_kv_heads": 32,
-                "head_dim": 128,
-                "dtype": "bfloat16",
-                "num_params": 6.74e9,
-            },
-            "kv_budget": "3GiB",
-            "candidates": [8, 16, 32, 64],
-            "batch": {"max_num_seqs": 512},
-        }
-    )
+    policy = llama2_7b_policy
     rng = np.random.default_rng(0)
     window = snapshot_of(rng.integers(2, 8, 1000), rng.integers(8, 24, 1000), np.arange(1000) / 305)
     forecaster = Forecaster(policy, ANALYTIC)
