@@ -15,10 +15,11 @@ block size, so its TTFT stays within the SLO at any load multiple even where
 the queue would grow without bound. A load is therefore also held to what the
 server sustains: its **sustained load** is the request rate it serves when
 saturated (the sample repeated to fill its pool or batch `SATURATION_FILLS`
-times over, all arriving at once, timed over the middle half of its
-completions, away from the first admissions and the last stragglers) over the
-observed arrival rate. Above it the queue grows, so no multiple above it
-counts as within the SLO.
+times over, all arriving at once) over the observed arrival rate, both counted
+in generated tokens. The saturated run is timed between its first and third
+quartile of completions, away from the first admissions and the last
+stragglers, each request's tokens spread evenly over its decode. Above it the
+queue grows, so no multiple above it counts as within the SLO.
 
 Deciding needs only whether another size beats the one in force by the
 policy's `min_gain`, so the capacity of the size in force is bisected to
@@ -202,7 +203,8 @@ class Forecaster:
 
     def sustained_load(self, workload: Workload, block_size: int) -> float:
         """The multiple of `workload`'s arrival rate that the server sustains at `block_size`:
-        its request rate when saturated over the observed one (see the module docstring)."""
+        its generated-token rate when saturated over the observed one (see the module
+        docstring)."""
         span = float(workload.arrival_s[-1] - workload.arrival_s[0])
         held = float(np.mean(workload.prompt_tokens + workload.output_tokens))
         at_once = min(self.policy.max_num_seqs, self.server.capacity_slots(block_size) / held)
@@ -212,13 +214,13 @@ class Forecaster:
             np.tile(workload.prompt_tokens, copies),
             np.tile(workload.output_tokens, copies),
         )
-        finish = np.sort(simulate(saturated, self.server, block_size).finish_s)
-        quarter, three_quarters = len(finish) // 4, 3 * len(finish) // 4
-        middle_s = finish[three_quarters] - finish[quarter]
-        served_per_s = (
-            (three_quarters - quarter) / middle_s if middle_s > 0 else len(finish) / finish[-1]
-        )
-        return float(served_per_s * span / (len(workload) - 1))
+        run = simulate(saturated, self.server, block_size)
+        start_s, end_s = np.quantile(run.finish_s, [0.25, 0.75])
+        if not end_s > start_s:
+            start_s, end_s = 0.0, run.end_s
+        served = _tokens_between(run, saturated.output_tokens, start_s, end_s) / (end_s - start_s)
+        offered = float(np.mean(workload.output_tokens)) * (len(workload) - 1) / span
+        return served / offered
 
     def forecast(
         self, workload: Workload, current: int, block_sizes: tuple[int, ...]
@@ -286,6 +288,20 @@ class Forecaster:
             else:
                 high = middle
         return low
+
+
+def _tokens_between(run: Run, outputs: np.ndarray, start_s: float, end_s: float) -> float:
+    """Tokens `run` generated from `start_s` to `end_s`, each request's spread evenly from
+    its first token to its last."""
+    first, finish = run.first_token_s, run.finish_s
+    overlap = np.clip(np.minimum(finish, end_s) - np.maximum(first, start_s), 0.0, None)
+    duration = finish - first
+    share = np.where(
+        duration > 0,
+        overlap / np.where(duration > 0, duration, 1.0),
+        (first >= start_s) & (first <= end_s),
+    )
+    return float((share * outputs).sum())
 
 
 @dataclass(frozen=True)
