@@ -25,8 +25,11 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
+
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.traces import load_trace
+from blocktune.tuner.core.block_replay import drive_block_manager
 
 
 def import_nanovllm(folder: Path) -> tuple[type, type]:
@@ -56,30 +59,12 @@ def run_blocktune(
     manager = BlockManager(
         pool_blocks(lengths, block_size, batch), block_size, enable_prefix_caching=prefix_caching
     )
-    remaining: dict[int, int] = {}
-    next_request = next_token = generated = 0
+    prompts, outputs = (np.array(column) for column in zip(*lengths, strict=True))
     start = time.perf_counter()
-    while next_request < len(lengths) or remaining:
-        while len(remaining) < batch and next_request < len(lengths):
-            prompt, output = lengths[next_request]
-            tokens = list(range(next_token, next_token + prompt))
-            next_token += prompt
-            if manager.allocate(next_request, tokens) is None:
-                raise RuntimeError("blocktune: no room for a prompt")
-            remaining[next_request] = output
-            next_request += 1
-        for seq_id in remaining:
-            if not manager.append_token(seq_id, next_token):
-                raise RuntimeError("blocktune: no room for a token")
-            next_token += 1
-            remaining[seq_id] -= 1
-        generated += len(remaining)
-        for seq_id in [s for s, left in remaining.items() if left == 0]:
-            manager.free(seq_id)
-            del remaining[seq_id]
+    drive_block_manager(manager, prompts, outputs, concurrency=batch)
     elapsed = time.perf_counter() - start
     manager.check()
-    return elapsed / generated
+    return elapsed / int(outputs.sum())
 
 
 def run_nanovllm(

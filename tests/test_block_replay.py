@@ -2,9 +2,11 @@
 
 import numpy as np
 import pandas as pd
+import pytest
 
+from blocktune.runtime.block_manager import BlockManager
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.core.block_replay import replay_block_manager
+from blocktune.tuner.core.block_replay import drive_block_manager, replay_block_manager
 
 
 def test_day_is_deterministic_and_has_its_phases():
@@ -60,3 +62,21 @@ def test_replay_smaller_blocks_pad_less_on_the_demo_workload():
     ratios = [replay_block_manager(day, b).padding_ratio for b in (8, 16, 32, 64)]
     assert ratios == sorted(ratios)
     assert 0 < ratios[0] < ratios[-1] < 1
+
+
+def test_driven_prompts_never_hit_the_prefix_cache():
+    """Every driven token has its own id, so prompts of equal length share no cached block:
+    each leaves its own 4 full blocks (36 tokens at B=8) in the cache. Prompts of equal ids
+    would leave 4 in all, the later ones reusing the first's."""
+    manager = BlockManager(64, 8, enable_prefix_caching=True)
+    steps = drive_block_manager(manager, np.array([32, 32, 32]), np.array([4, 4, 4]), concurrency=1)
+    assert steps == 12
+    assert len(manager.cached_blocks()) == 12 and manager.num_free_blocks == 64
+    manager.check()
+
+
+def test_a_pool_too_small_for_the_requests_is_an_error():
+    with pytest.raises(RuntimeError, match="no room in the pool for request 1's prompt"):
+        drive_block_manager(BlockManager(1, 16), np.array([8, 8]), np.array([1, 1]), concurrency=2)
+    with pytest.raises(RuntimeError, match="no room in the pool for a token of request 0"):
+        drive_block_manager(BlockManager(1, 16), np.array([16]), np.array([2]), concurrency=1)

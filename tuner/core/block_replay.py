@@ -35,12 +35,14 @@ def drive_block_manager(
 
     With `arrivals` (seconds, sorted) a step of `step_s` admits every request
     that has arrived; with `concurrency` it admits requests in order while
-    fewer than that run. `on_step(running, held_tokens)` is called after each
-    step's appends, before the finished requests are freed.
+    fewer than that run. Every token has its own id, so no prompt hits a
+    prefix cache. `on_step(running, held_tokens)` is called after each step's
+    appends, before the finished requests are freed. A pool too small for the
+    requests raises `RuntimeError`.
     """
     total = len(prompts)
     remaining: dict[int, int] = {}
-    held = steps = next_request = 0
+    held = steps = next_request = next_token = 0
     now = 0.0
     while next_request < total or remaining:
         if arrivals is not None and not remaining:
@@ -49,12 +51,16 @@ def drive_block_manager(
             arrivals[next_request] <= now if arrivals is not None else len(remaining) < concurrency
         ):
             prompt = int(prompts[next_request])
-            manager.allocate(next_request, [0] * prompt)
+            if manager.allocate(next_request, range(next_token, next_token + prompt)) is None:
+                raise RuntimeError(f"no room in the pool for request {next_request}'s prompt")
+            next_token += prompt
             remaining[next_request] = int(outputs[next_request])
             held += prompt
             next_request += 1
         for seq_id in remaining:
-            manager.append_token(seq_id, 0)
+            if not manager.append_token(seq_id, next_token):
+                raise RuntimeError(f"no room in the pool for a token of request {seq_id}")
+            next_token += 1
             remaining[seq_id] -= 1
         held += len(remaining)
         steps += 1
