@@ -13,10 +13,10 @@ A sample of `FORECAST_REQUESTS` requests is short: at a high request rate it
 spans a second or two, and a server absorbs that as one burst whatever its
 block size, so its TTFT stays within the SLO at any load multiple even where
 the queue would grow without bound. A load is therefore also held to what the
-server sustains: its **sustained load** is the request rate it serves when
+server sustains: its **sustained load** is the token rate it generates when
 saturated (the sample repeated to fill its pool or batch `SATURATION_FILLS`
-times over, all arriving at once) over the observed arrival rate, both counted
-in generated tokens. The saturated run is timed between its first and third
+times over, all arriving at once) over the observed one (the sample's
+requests per second times their mean output). The saturated run is timed between its first and third
 quartile of completions, away from the first admissions and the last
 stragglers, each request's tokens spread evenly over its decode. Above it the
 queue grows, so no multiple above it counts as within the SLO.
