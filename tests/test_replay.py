@@ -275,9 +275,9 @@ def test_when_a_promotion_fills_the_cache_the_tuner_follows_it_to_the_best_stati
 
 
 def test_after_the_promotion_the_tuner_swaps_back_up(llama2_7b_policy):
-    """Long documents serve best at 16 or above, a promotion's one-line queries at 8 (see
-    the fixture). At 305 req/s the promotion overloads static-16; the tuner moves to 8
-    within a decision of the burst and back up after it."""
+    """The forecast finds long documents served best at 16 or above and a promotion's
+    one-line queries at 8 (see the fixture). At 305 req/s the promotion overloads
+    static-16; the tuner moves to 8 within a decision of the burst and back up after it."""
     policy = llama2_7b_policy
     documents = (1200, 0.1, (600, 1400), (100, 300))
     frame = phased([documents, (1200, 305.0, (2, 8), (8, 24)), documents])
