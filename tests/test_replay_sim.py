@@ -9,11 +9,11 @@ import pytest
 
 from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.core.block_replay import replay_block_manager
-from blocktune.tuner.core.calibration import analytic_calibration
+from blocktune.tuner.core.calibration import StepCoefficients, analytic_calibration
 from blocktune.tuner.core.cost_model import CostModel
 from blocktune.tuner.core.policy import Policy, load_policy
 from blocktune.tuner.core.simulator import simulate
-from blocktune.tuner.core.step_cost import StepCost, StepCostModel
+from blocktune.tuner.core.step_cost import StepCostModel
 from blocktune.tuner.core.workload import Workload
 from blocktune.tuner.replay.controllers import OracleController
 
@@ -119,8 +119,16 @@ def test_step_times_follow_the_calibration():
 class PaddedPairs(StepCostModel):
     """Steps of 10 ms plus a padded-batch term and a prompt-pair term, nothing else."""
 
-    def step_cost(self, block_size: int) -> StepCost:
-        return StepCost(0.01, 0.0, 0.0, 0.0, 0.0, per_padded_token_s=1e-5, prefill_s_per_pair=1e-8)
+    def step_cost(self, block_size: int) -> StepCoefficients:
+        return StepCoefficients(
+            fixed_s=0.01,
+            per_block_s=0.0,
+            per_token_s=0.0,
+            per_sequence_s=0.0,
+            prefill_s_per_token=0.0,
+            per_padded_token_s=1e-5,
+            prefill_s_per_pair=1e-8,
+        )
 
 
 def test_a_padded_batch_costs_its_longest_context_and_a_prompt_its_pairs():

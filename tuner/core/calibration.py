@@ -56,6 +56,7 @@ __all__ = [
     "default_calibration",
     "device_mismatch",
     "load_calibration",
+    "prefill_pairs",
 ]
 
 ANALYTIC_FILE = "analytic_default.yaml"
@@ -69,6 +70,13 @@ request j holds, prefill_tokens the prompt tokens the step computes and prefill_
 attention pairs (per prompt chunk, its tokens times its prompt's tokens up to the chunk's
 end). `n * max ctx` is the batch padded to its longest context, as a decode attention that
 gathers the batch into one padded tensor reads it."""
+
+
+def prefill_pairs(before: int, computed: int) -> int:
+    """Attention pairs of computing `computed` prompt tokens after `before` are in place
+    (`STEP_FORM`): the chunk's queries against its prompt's keys up to the chunk's end (the
+    engine's causal attention computes the rectangle and masks it)."""
+    return computed * (before + computed)
 
 
 class CalibrationError(ValueError):

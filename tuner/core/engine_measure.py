@@ -40,6 +40,7 @@ from blocktune.tuner.core.calibration import (
     Calibration,
     EngineCalibration,
     EngineModel,
+    prefill_pairs,
 )
 from blocktune.tuner.core.measure import default_grid, measure_calibration, measured_provenance
 from blocktune.tuner.core.policy import ModelShape
@@ -330,7 +331,7 @@ def _prefill_steps(
                     chunk,
                     seconds,
                     padded_tokens=decoding * held,
-                    prefill_pairs=chunk * chunk,
+                    prefill_pairs=prefill_pairs(0, chunk),
                 )
             )
         for request_id in ids:

@@ -56,6 +56,7 @@ from typing import Protocol
 
 import numpy as np
 
+from blocktune.tuner.core.calibration import prefill_pairs
 from blocktune.tuner.core.step_cost import StepCostModel
 from blocktune.tuner.core.workload import Workload
 
@@ -339,7 +340,7 @@ class _Server:
             compute = held - (held_hits + cached_hits) * size
             if self.token_budget is None:
                 prefill += compute
-                pairs += _pairs(held - compute, compute)
+                pairs += prefill_pairs(held - compute, compute)
                 joining.append((request, held, shared))
             else:
                 self.prefilling.append([request, compute, held, shared])
@@ -374,7 +375,7 @@ class _Server:
             if budget == 0:
                 break
             take = min(entry[1], budget)
-            pairs += _pairs(entry[2] - entry[1], take)
+            pairs += prefill_pairs(entry[2] - entry[1], take)
             entry[1] -= take
             budget -= take
             computed += take
@@ -389,15 +390,20 @@ class _Server:
 
     def _prefill_only_step(self) -> None:
         """A step that computes prompt chunks while nothing decodes."""
-        cost = self.cost
-        step_s = cost.fixed_s + self.prefill_tokens * cost.prefill_s_per_token
-        if cost.prefill_s_per_pair:
-            step_s += self.prefill_pairs * cost.prefill_s_per_pair
+        step_s = self.cost.fixed_s + self._prefill_s()
         referenced = self._referenced()
         self._account(referenced * self.block_size, referenced, referenced * step_s, 0, step_s)
         self.t += step_s
         self.steps += 1
         self.table_blocks = 0  # nothing runs
+
+    def _prefill_s(self) -> float:
+        """The coming step's prompt work: its prompt tokens and their attention pairs."""
+        cost = self.cost
+        return (
+            self.prefill_tokens * cost.prefill_s_per_token
+            + self.prefill_pairs * cost.prefill_s_per_pair
+        )
 
     def _preempt_youngest(self) -> None:
         """Free the blocks of the latest-arrived running or prefilling request and queue it
@@ -457,9 +463,7 @@ class _Server:
             step_s = per_block * blocks + slope * k + const
             if k == 0:
                 if admitted:
-                    step_s += self.prefill_tokens * cost.prefill_s_per_token
-                    if cost.prefill_s_per_pair:
-                        step_s += self.prefill_pairs * cost.prefill_s_per_pair
+                    step_s += self._prefill_s()
                 first_end = t + step_s
             table_blocks = blocks
             elapsed += step_s
@@ -556,10 +560,3 @@ class _Server:
         self.pause_s += pause
         self.counters["swaps"] += 1
         self.switches.append((boundary, self.t, new_size))
-
-
-def _pairs(before: int, computed: int) -> int:
-    """Attention pairs of computing `computed` prompt tokens after `before` are in place: the
-    chunk's queries against its prompt's keys up to the chunk's end (the engine's causal
-    attention computes the rectangle and masks it)."""
-    return computed * (before + computed)

@@ -29,24 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from blocktune.tuner.core.calibration import Calibration
+from blocktune.tuner.core.calibration import Calibration, StepCoefficients
 from blocktune.tuner.core.cost_model import CostModel
 from blocktune.tuner.core.policy import Policy
 
-__all__ = ["StepCostModel", "StepCost"]
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """Coefficients of one engine step at one block size (see the module docstring) [s]."""
-
-    fixed_s: float
-    per_block_s: float
-    per_token_s: float
-    per_sequence_s: float
-    prefill_s_per_token: float
-    per_padded_token_s: float = 0.0
-    prefill_s_per_pair: float = 0.0
+__all__ = ["StepCostModel"]
 
 
 @dataclass(frozen=True)
@@ -84,17 +71,23 @@ class StepCostModel:
         """Blocks of `block_size` tokens in the KV budget."""
         return self.capacity_slots(block_size) // block_size
 
-    def step_cost(self, block_size: int) -> StepCost:
-        """The step-time coefficients at `block_size`."""
+    def step_cost(self, block_size: int) -> StepCoefficients:
+        """The step-time coefficients at `block_size` (see the module docstring) [s]."""
         if self.fixed_step_s is not None:
-            return StepCost(self.fixed_step_s, 0.0, 0.0, 0.0, 0.0)
+            return StepCoefficients(
+                fixed_s=self.fixed_step_s,
+                per_block_s=0.0,
+                per_token_s=0.0,
+                per_sequence_s=0.0,
+                prefill_s_per_token=0.0,
+            )
         if self.calibration.engine is not None:
             self.calibration.require([block_size])
-            return StepCost(**dict(self.calibration.engine.steps[block_size]))
+            return self.calibration.engine.steps[block_size]
         costs = self.cost_model
         kernel = costs.kernel(block_size)
         layers = self.policy.model.num_layers
-        return StepCost(
+        return StepCoefficients(
             fixed_s=costs.weights_read_s + layers * kernel.launch_s,
             per_block_s=layers * kernel.per_block_s,
             per_token_s=layers * kernel.per_token_s,
