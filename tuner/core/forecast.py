@@ -206,7 +206,7 @@ class Forecaster:
         its generated-token rate when saturated over the observed one (see the module
         docstring)."""
         span = float(workload.arrival_s[-1] - workload.arrival_s[0])
-        held = float(np.mean(workload.prompt_tokens + workload.output_tokens))
+        held = float(np.mean(workload.total_tokens))
         at_once = min(self.policy.max_num_seqs, self.server.capacity_slots(block_size) / held)
         copies = max(1, math.ceil(SATURATION_FILLS * at_once / len(workload)))
         saturated = Workload.of_lengths(
