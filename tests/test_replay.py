@@ -111,6 +111,7 @@ def test_adaptive_keeps_16_where_the_block_size_does_not_matter(day_report):
     assert len(timeline) == int(run.end_s // POLICY.interval.total_seconds())
     assert {p.block_size for p in timeline} == {16}
     assert run.swaps == 0 and run.swap_pause_s == 0.0
+    assert not any("short of capacity" in w for w in day_report.warnings)
 
 
 def test_a_grow_is_charged_its_pause():
@@ -323,6 +324,12 @@ def test_an_overloaded_replay_names_the_offered_and_served_rates():
     assert f"static-16: overloaded: offered {offered:.1f} tok/s, served {served:.1f}" in (
         "\n".join(overloaded)
     )
+    # Short of capacity: no block size serves nine in ten requests within the SLO.
+    (short,) = [w for w in report.warnings if "short of capacity" in w]
+    best = max(report.results[: len(policy.candidates)], key=lambda r: r.goal_value)
+    share = within_slo(report.runs[best.policy], report.workload, policy.slo).mean()
+    assert share < 0.9
+    assert short.startswith(f"even the best static size ({best.policy}) serves only {share:.0%}")
 
 
 def test_a_trace_shorter_than_one_interval_warns_that_the_tuner_never_decided():

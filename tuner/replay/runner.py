@@ -47,7 +47,7 @@ from blocktune.tuner.core.simulator import Controller, Run, simulate
 from blocktune.tuner.core.step_cost import StepCostModel
 from blocktune.tuner.core.workload import EmptyWorkload, Workload
 from blocktune.tuner.replay.controllers import AdaptiveController, OracleController, TimelinePoint
-from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, goal_value
+from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, goal_value, within_slo
 
 __all__ = [
     "ADAPTIVE",
@@ -397,6 +397,10 @@ def _policy_summary(policy: Policy, calibration: Calibration, initial: int) -> d
 OVERLOAD_SERVED_SHARE = 0.95
 """A run that serves less than this share of the offered token rate is called overloaded."""
 
+SHORT_OF_CAPACITY_SHARE = 0.9
+"""A replay whose best static size serves a smaller share of its requests within the SLO warns
+that the deployment, not its block size, is what falls short."""
+
 
 def replay_warnings(
     trace: dict, results: list[PolicyResult], runs: dict[str, Run], workload: Workload, policy
@@ -416,6 +420,18 @@ def replay_warnings(
             f"{trace['too_long_for_the_pool']} of {trace['requests']} requests are longer than "
             "the smallest candidate's KV pool and were left out"
         )
+    statics = [r for r in results if r.block_size is not None]
+    if policy.goal == "capacity" and statics:
+        best = max(statics, key=lambda r: r.goal_value)
+        share = float(within_slo(runs[best.policy], workload, policy.slo).mean())
+        if share < SHORT_OF_CAPACITY_SHARE:
+            warnings.append(
+                f"even the best static size ({best.policy}) serves only {share:.0%} of the "
+                f"requests within the SLO (TTFT <= {policy.slo.ttft_p99_s:g} s, TPOT <= "
+                f"{policy.slo.tpot_p99_s * 1e3:g} ms): this deployment is short of capacity "
+                "for the traffic, and the block size decides only how much of the overflow is "
+                "still served in time"
+            )
     offered = float(workload.output_tokens.sum()) / span if span > 0 else math.inf
     for result in results:
         run = runs[result.policy]
