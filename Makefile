@@ -17,7 +17,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test test-fast format bench clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m "not slow"
 
 format: $(STAMP)
 	$(BIN)/ruff format .

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from blocktune.runtime.block_manager import BlockManager
-from blocktune.tuner.core.block_replay import drive_block_manager
+from blocktune.tuner.measure.block_replay import drive_block_manager
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2]

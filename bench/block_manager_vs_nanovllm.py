@@ -29,7 +29,7 @@ import numpy as np
 
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.traces import load_trace
-from blocktune.tuner.core.block_replay import drive_block_manager
+from blocktune.tuner.measure.block_replay import drive_block_manager
 
 
 def import_nanovllm(folder: Path) -> tuple[type, type]:

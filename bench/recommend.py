@@ -19,10 +19,10 @@ import numpy as np
 from pydantic import ByteSize, TypeAdapter
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.core.calibration import calibration_for
-from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.config.calibration import calibration_for
+from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.core.selector import Selector
-from blocktune.tuner.core.window import LengthWindow
+from blocktune.tuner.sim.window import LengthWindow
 
 
 def main() -> None:

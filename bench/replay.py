@@ -16,9 +16,9 @@ import argparse
 import time
 
 from blocktune.traces.synth import CUSTOMER_SERVICE_PHASES, customer_service_day
-from blocktune.tuner.core.calibration import calibration_for
-from blocktune.tuner.core.defaults import DEFAULT_POLICY
-from blocktune.tuner.core.policy import load_policy, policy_path
+from blocktune.tuner.config.calibration import calibration_for
+from blocktune.tuner.config.defaults import DEFAULT_POLICY
+from blocktune.tuner.config.policy import load_policy, policy_path
 from blocktune.tuner.replay.report import format_replay_table
 from blocktune.tuner.replay.runner import replay
 

@@ -24,7 +24,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import yaml
+
+from blocktune.tuner.operations import NotReady, free_port, wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "bench-token"
@@ -168,15 +169,12 @@ def start_server(policy: Path, port: int) -> subprocess.Popen:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.1)
-    process.kill()
-    raise RuntimeError("the sidecar did not become ready within 60 s")
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}", process, timeout_s=60, path="/readyz")
+    except NotReady:
+        process.kill()
+        raise
+    return process
 
 
 def percentiles(values: list[float]) -> str:
@@ -205,9 +203,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         policy_file = Path(folder) / "policy.yaml"
         policy_file.write_text(yaml.safe_dump(policy))
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         server = start_server(policy_file, port)
         try:
             rss_start = rss_kib(server.pid)

@@ -43,6 +43,7 @@ from blocktune.kernels.cache_ops import copy_blocks, warmup_cache_ops
 from blocktune.kernels.paged_attention import warmup
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.runtime.block_table import BlockTable
+from blocktune.runtime.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CANDIDATES
 from blocktune.runtime.hot_swap import (
     SwapRejected,
     SwapResult,
@@ -90,7 +91,7 @@ class EngineConfig:
     preempted partial prefill would leave cached blocks without their K/V).
     """
 
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None
     kv_bytes: int | None = None
     max_num_seqs: int = 32
@@ -98,7 +99,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     attention_backend: str = "torch"
     enable_prefix_caching: bool = False
-    candidate_block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128)
+    candidate_block_sizes: tuple[int, ...] = DEFAULT_CANDIDATES
     swap_staging_bytes: int = 64 * 2**20
 
     def __post_init__(self) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from blocktune.runtime.defaults import ENGINE_DTYPES
 from blocktune.runtime.model import (
     LlamaModel,
     ModelConfig,
@@ -46,7 +47,7 @@ __all__ = [
     "resolve_source",
 ]
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in ENGINE_DTYPES}
 TINY_RANDOM = "tiny-random"
 # Model files that pip packages install, by the name a source may give: (package, file, pip name).
 INSTALLED_MODELS = {

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -38,7 +37,6 @@ __all__ = [
     "ModelConfig",
     "ModelLoadError",
     "UnsupportedModelError",
-    "load_model",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # Mistral only without a sliding window
@@ -409,16 +407,3 @@ class LlamaModel(nn.Module):
 
         hidden = self._run(token_ids, positions, attend)
         return self.lm_head(hidden[logit_rows]).float()
-
-
-def load_model(
-    source: str | Path = "tiny-random",
-    *,
-    seed: int = 0,
-    dtype: torch.dtype | str = torch.float32,
-    device: torch.device | str = "cpu",
-) -> LlamaModel:
-    """The model alone (no tokenizer); see `blocktune.runtime.loading.load_pretrained`."""
-    from blocktune.runtime.loading import load_weights
-
-    return load_weights(source, seed=seed, dtype=dtype, device=device)

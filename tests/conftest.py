@@ -2,21 +2,15 @@
 a sharded replay; a deployment whose block size matters both ways."""
 
 import contextlib
-import socket
 import threading
 import time
 
 import pytest
 import uvicorn
 
-from blocktune.tuner.core.policy import Policy, ServerSettings, load_policy
+from blocktune.tuner.config.policy import Policy, ServerSettings, load_policy
+from blocktune.tuner.operations import free_port
 from blocktune.tuner.serving.http import server_config
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

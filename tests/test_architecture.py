@@ -73,25 +73,99 @@ def test_only_the_sweep_package_imports_dask():
     assert offenders([p for p in package if p not in sweep], DASK) == {}
 
 
-def test_the_core_imports_no_other_tuner_package():
-    tuner = ("blocktune.tuner",)
+# The tuner's floors, lowest first: a package may import its own package and any lower floor.
+TUNER_FLOORS = (
+    ("config", "operations"),
+    ("sim", "measure"),
+    ("core",),
+    ("replay", "fidelity", "sidecar"),
+    ("sweep", "serving"),
+    ("demo",),
+    ("cli",),
+)
+FLOOR = {package: rank for rank, floor in enumerate(TUNER_FLOORS) for package in floor}
+
+
+def tuner_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["blocktune", "tuner"] else None
+
+
+def test_every_tuner_package_has_a_floor():
+    on_disk = {p.parent.name for p in (ROOT / "tuner").glob("*/__init__.py")}
+    on_disk |= {p.stem for p in (ROOT / "tuner").glob("*.py") if p.stem != "__init__"}
+    assert on_disk == set(FLOOR)
+
+
+def test_no_tuner_import_runs_against_the_floors():
     found = {}
-    for path in sources("tuner/core"):
-        bad = [
-            name
-            for name in imported_modules(path)
-            if name.startswith(tuner[0] + ".") and not name.startswith("blocktune.tuner.core")
-        ]
-        if bad:
-            found[path.name] = bad
+    for path in sources("tuner"):
+        own = path.relative_to(ROOT / "tuner").parts[0].removesuffix(".py")
+        for name in imported_modules(path):
+            other = tuner_package(name)
+            if other is None or other == own or other not in FLOOR:
+                continue
+            if FLOOR[other] >= FLOOR[own]:
+                found.setdefault(str(path.relative_to(ROOT)), []).append(name)
     assert found == {}
+
+
+def module_name(path: Path) -> str:
+    relative = path.relative_to(ROOT).with_suffix("")
+    parts = [p for p in relative.parts if p != "__init__"]
+    return ".".join(("blocktune", *parts))
+
+
+def import_graph() -> dict[str, set[str]]:
+    """blocktune module -> the blocktune modules it imports (at any depth of its code)."""
+    files = sources("tuner") + sources("runtime") + sources("kernels") + sources("traces")
+    modules = {module_name(p): p for p in files}
+    graph = {}
+    for name, path in modules.items():
+        graph[name] = {m for m in imported_modules(path) if m in modules and m != name}
+    return graph
+
+
+def test_the_cycle_finder_sees_a_circle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of the graph as a path that ends where it starts, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_no_import_circle():
+    assert find_cycle(import_graph()) is None
 
 
 def test_tuner_has_one_shared_module_beside_its_packages():
     modules = sorted(p.name for p in (ROOT / "tuner").glob("*.py"))
     assert modules == ["__init__.py", "operations.py"]
     packages = sorted(p.parent.name for p in (ROOT / "tuner").glob("*/__init__.py"))
-    assert packages == ["cli", "core", "replay", "serving", "sidecar", "sweep"]
+    assert packages == sorted(
+        ["cli", "config", "core", "demo", "fidelity", "measure", "replay", "serving"]
+        + ["sidecar", "sim", "sweep"]
+    )
 
 
 def loaded_after(statement: str) -> set[str]:

@@ -6,7 +6,7 @@ import pytest
 
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.core.block_replay import drive_block_manager, replay_block_manager
+from blocktune.tuner.measure.block_replay import drive_block_manager, replay_block_manager
 
 
 def test_day_is_deterministic_and_has_its_phases():

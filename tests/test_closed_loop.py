@@ -1,7 +1,7 @@
 """End to end: a worker and a sidecar as two real processes on loopback, traffic that shifts."""
 
-from blocktune.tuner.core.policy import Policy
-from blocktune.tuner.serving.closed_loop import demo_policy, demo_workload, run_closed_loop
+from blocktune.tuner.config.policy import Policy
+from blocktune.tuner.demo.closed_loop import demo_policy, demo_workload, run_closed_loop
 
 
 def test_the_sidecar_swaps_the_worker_both_ways_and_no_token_changes():

@@ -14,12 +14,13 @@ from blocktune.runtime.engine import (
     RequestTooLarge,
     SamplingParams,
 )
-from blocktune.runtime.model import LlamaModel, load_model
+from blocktune.runtime.loading import load_weights
+from blocktune.runtime.model import LlamaModel
 
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model("tiny-random", seed=0)
+    return load_weights("tiny-random", seed=0)
 
 
 def _prompts(count, seed=0, low=3, high=40):

@@ -7,14 +7,14 @@ import pytest
 import yaml
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.core.calibration import (
+from blocktune.tuner.config.calibration import (
     CalibrationError,
     analytic_calibration,
     load_calibration,
 )
-from blocktune.tuner.core.config_files import ConfigError
-from blocktune.tuner.core.policy import load_policy
-from blocktune.tuner.core.step_cost import StepCostModel
+from blocktune.tuner.config.config_files import ConfigError
+from blocktune.tuner.config.policy import load_policy
+from blocktune.tuner.sim.step_cost import StepCostModel
 
 TINY_POLICY = """\
 deployment: tiny-cpu

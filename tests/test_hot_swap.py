@@ -15,12 +15,12 @@ from blocktune.runtime.block_table import BlockTable
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.hot_swap import SwapRejected, plan_swap, prepare_swap, write_staged
 from blocktune.runtime.kv_cache import KVCache
-from blocktune.runtime.model import load_model
+from blocktune.runtime.loading import load_weights
 
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model("tiny-random", seed=0)
+    return load_weights("tiny-random", seed=0)
 
 
 # ---------------------------------------------------------------- plans on a bare manager

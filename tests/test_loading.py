@@ -17,7 +17,6 @@ from blocktune.runtime.model import (
     ModelConfig,
     ModelLoadError,
     UnsupportedModelError,
-    load_model,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -76,7 +75,7 @@ def llama3(tmp_path_factory):
 
 def test_llama3_rope_scaling_matches_transformers(llama3):
     reference, folder = llama3
-    ours = load_model(folder)
+    ours = load_weights(folder)
     assert ours.config.rope_scaling == Llama3RopeScaling(8.0, 1.0, 4.0, 32)
     ids = tokens(60)
     with torch.no_grad():
@@ -109,13 +108,13 @@ def test_mistral_without_sliding_window_matches_transformers(tmp_path):
     ids = tokens(40)
     with torch.no_grad():
         expected = reference(ids[None]).logits[0]
-    assert (load_model(tmp_path).forward_dense(ids) - expected).abs().max().item() <= 1e-4
+    assert (load_weights(tmp_path).forward_dense(ids) - expected).abs().max().item() <= 1e-4
 
 
 def test_mistral_with_sliding_window_is_refused(tmp_path):
     save(tmp_path, transformers.MistralConfig(**SHAPE, sliding_window=16))
     with pytest.raises(UnsupportedModelError, match=r"config\.json: sliding_window=16 is not"):
-        load_model(tmp_path)
+        load_weights(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -134,7 +133,7 @@ def test_unimplemented_options_are_refused_naming_file_and_key(tmp_path, change,
     config = {"model_type": "llama", **SHAPE, **change}
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match=f"{tmp_path}/config.json: .*{message}"):
-        load_model(tmp_path)
+        load_weights(tmp_path)
 
 
 def test_unknown_model_type_saved_by_transformers_is_refused(tmp_path):
@@ -152,7 +151,7 @@ def llama(tmp_path_factory):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_reduced_precision_loads_and_matches_transformers(llama, dtype):
     reference, folder = llama
-    ours = load_model(folder, dtype=str(dtype).removeprefix("torch."))
+    ours = load_weights(folder, dtype=str(dtype).removeprefix("torch."))
     assert {p.dtype for p in ours.parameters()} == {dtype}
     ids = tokens(40)
     with torch.no_grad():

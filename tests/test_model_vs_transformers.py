@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
-from blocktune.runtime.model import ModelLoadError, load_model
+from blocktune.runtime.loading import load_weights
+from blocktune.runtime.model import ModelLoadError
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,7 +33,7 @@ def checkpoint(request, tmp_path_factory):
 
 def test_logits_match_transformers(checkpoint):
     reference, folder = checkpoint
-    ours = load_model(folder)
+    ours = load_weights(folder)
     assert ours.config.rope_theta == 5000.0
     tokens = torch.randint(0, 200, (1, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -44,7 +45,7 @@ def test_logits_match_transformers(checkpoint):
 def test_engine_greedy_tokens_match_transformers(checkpoint):
     reference, folder = checkpoint
     engine = Engine(
-        load_model(folder), EngineConfig(block_size=8, num_blocks=32, max_model_len=128)
+        load_weights(folder), EngineConfig(block_size=8, num_blocks=32, max_model_len=128)
     )
     prompts = [[5, 17, 99, 3, 150], [7] * 11]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=10))
@@ -59,13 +60,13 @@ def test_engine_greedy_tokens_match_transformers(checkpoint):
 
 def test_loader_errors_name_the_file(tmp_path):
     with pytest.raises(ModelLoadError, match="config.json: not found"):
-        load_model(tmp_path)
+        load_weights(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="invalid JSON"):
-        load_model(tmp_path)
+        load_weights(tmp_path)
     (tmp_path / "config.json").write_text('{"vocab_size": 10}')
     with pytest.raises(ModelLoadError, match="config.json: missing key 'model_type'"):
-        load_model(tmp_path)
+        load_weights(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 10}')
     with pytest.raises(ModelLoadError, match="config.json: missing key 'num_attention_heads'"):
-        load_model(tmp_path)
+        load_weights(tmp_path)

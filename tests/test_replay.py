@@ -10,14 +10,14 @@ import pandas as pd
 import pytest
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.core.calibration import analytic_calibration
-from blocktune.tuner.core.cost_model import CostModel
-from blocktune.tuner.core.policy import Policy, load_policy
-from blocktune.tuner.core.workload import Workload
+from blocktune.tuner.config.calibration import analytic_calibration
+from blocktune.tuner.config.policy import Policy, load_policy
 from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, within_slo
 from blocktune.tuner.replay.plots import PLOT_FILES, write_plots
 from blocktune.tuner.replay.report import RESULT_KEYS, comparisons, format_replay_table, report_dict
 from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayError, replay, static_name
+from blocktune.tuner.sim.cost_model import CostModel
+from blocktune.tuner.sim.workload import Workload
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = load_policy(ROOT / "policies" / "customer_service_llama8b.yaml")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.core.calibration import ANALYTIC_FILE, bundled_files
+from blocktune.tuner.config.calibration import ANALYTIC_FILE, bundled_files
 from blocktune.tuner.replay.report import RESULT_KEYS
 
 ROOT = Path(__file__).resolve().parents[1]

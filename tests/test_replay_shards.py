@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.core.calibration import default_calibration
-from blocktune.tuner.core.defaults import DEFAULT_DAY_RATE_SCALE
-from blocktune.tuner.core.policy import load_policy
-from blocktune.tuner.core.simulator import Run
+from blocktune.tuner.config.calibration import default_calibration
+from blocktune.tuner.config.defaults import DEFAULT_DAY_RATE_SCALE
+from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.replay.report import RESULT_KEYS
 from blocktune.tuner.replay.runner import ADAPTIVE, Played, ReplayError, plan_replay, replay
 from blocktune.tuner.replay.shards import merge_shards, time_shards
+from blocktune.tuner.sim.simulator import Run
 
 TOLERANCE = 5e-3
 """Sharded and unsharded metrics of the embedded day agree within 0.5% (0.08% measured)."""

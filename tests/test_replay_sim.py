@@ -8,14 +8,14 @@ import pandas as pd
 import pytest
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.core.block_replay import replay_block_manager
-from blocktune.tuner.core.calibration import StepCoefficients, analytic_calibration
-from blocktune.tuner.core.cost_model import CostModel
-from blocktune.tuner.core.policy import Policy, load_policy
-from blocktune.tuner.core.simulator import simulate
-from blocktune.tuner.core.step_cost import StepCostModel
-from blocktune.tuner.core.workload import Workload
+from blocktune.tuner.config.calibration import StepCoefficients, analytic_calibration
+from blocktune.tuner.config.policy import Policy, load_policy
+from blocktune.tuner.measure.block_replay import replay_block_manager
 from blocktune.tuner.replay.controllers import OracleController
+from blocktune.tuner.sim.cost_model import CostModel
+from blocktune.tuner.sim.simulator import simulate
+from blocktune.tuner.sim.step_cost import StepCostModel
+from blocktune.tuner.sim.workload import Workload
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
 POLICY = load_policy(POLICIES / "customer_service_llama8b.yaml")

@@ -10,8 +10,8 @@ import pytest
 
 from blocktune.runtime.engine import Engine, EngineConfig
 from blocktune.runtime.engine_loop import EngineLoop
-from blocktune.runtime.model import load_model
-from blocktune.tuner.core.policy import ServerSettings, load_policy
+from blocktune.runtime.loading import load_weights
+from blocktune.tuner.config.policy import ServerSettings, load_policy
 from blocktune.tuner.serving.http import guarded_app
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.serving.worker_app import create_worker_app
@@ -25,7 +25,9 @@ COMPLETION = b'{"prompt_ids": [1, 2, 3], "max_tokens": 2}'
 
 @pytest.fixture(scope="module")
 def engine_loop():
-    loop = EngineLoop(Engine(load_model("tiny-random"), EngineConfig(block_size=8, num_blocks=64)))
+    loop = EngineLoop(
+        Engine(load_weights("tiny-random"), EngineConfig(block_size=8, num_blocks=64))
+    )
     loop.start()
     yield loop
     loop.stop()

@@ -12,7 +12,7 @@ import pytest
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 
-from blocktune.tuner.core.policy import ActuatorSettings, WindowSettings, load_policy
+from blocktune.tuner.config.policy import ActuatorSettings, WindowSettings, load_policy
 from blocktune.tuner.serving.http import BearerAuth
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.actuators import HttpActuator
@@ -193,9 +193,9 @@ def test_readiness_follows_the_actuator_and_shows_its_last_swap(live_server, mon
 
 def test_in_process_engine_swaps_when_the_window_shifts():
     from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
-    from blocktune.runtime.model import load_model
+    from blocktune.runtime.loading import load_weights
 
-    engine = Engine(load_model("tiny-random"), EngineConfig(block_size=16, num_blocks=256))
+    engine = Engine(load_weights("tiny-random"), EngineConfig(block_size=16, num_blocks=256))
     policy = POLICY.model_copy(
         update={
             "mode": "enforce",
@@ -242,13 +242,13 @@ def test_an_engine_and_an_http_actuator_exclude_each_other():
 def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
     from blocktune.runtime.engine import Engine, EngineConfig
     from blocktune.runtime.engine_loop import EngineLoop
-    from blocktune.runtime.model import load_model
+    from blocktune.runtime.loading import load_weights
     from blocktune.runtime.tokenizer import Tokenizer
     from blocktune.tuner.serving.worker_app import create_worker_app
 
     monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
     loop = EngineLoop(
-        Engine(load_model("tiny-random"), EngineConfig(block_size=16, num_blocks=256))
+        Engine(load_weights("tiny-random"), EngineConfig(block_size=16, num_blocks=256))
     )
     loop.start()
     try:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import MAX_OBSERVATIONS

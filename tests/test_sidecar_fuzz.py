@@ -7,7 +7,7 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.sidecar import Sidecar
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from blocktune.tuner.core.policy import JsonlLogSettings, Sources, load_policy
+from blocktune.tuner.config.policy import JsonlLogSettings, Sources, load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
 from blocktune.tuner.sidecar.sidecar import Sidecar

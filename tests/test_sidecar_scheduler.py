@@ -5,11 +5,11 @@ from pathlib import Path
 
 import numpy as np
 
-from blocktune.tuner.core.calibration import analytic_calibration
-from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.config.calibration import analytic_calibration
+from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.core.selector import Selector
-from blocktune.tuner.core.window import LengthWindow
 from blocktune.tuner.sidecar.scheduler import JOB_ID, DecisionScheduler
+from blocktune.tuner.sim.window import LengthWindow
 
 # The default policy with a KV budget small enough to fill (384 token slots): there the block
 # size matters, and a promotion burst's short requests serve best at B=8.

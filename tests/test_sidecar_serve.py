@@ -3,27 +3,20 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.core.config_files import ConfigError
-from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.config.config_files import ConfigError
+from blocktune.tuner.config.policy import load_policy
+from blocktune.tuner.operations import NotReady, free_port, wait_until_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "policies" / "default.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start(port: int, state: Path, env: dict) -> subprocess.Popen:
@@ -32,15 +25,12 @@ def start(port: int, state: Path, env: dict) -> subprocess.Popen:
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                return process
-        except httpx.TransportError:
-            time.sleep(0.1)
-    process.kill()
-    raise AssertionError(f"serve did not become ready: {process.communicate()[0]}")
+    try:
+        wait_until_ready(f"http://127.0.0.1:{port}", process, timeout_s=60, path="/readyz")
+    except NotReady as error:
+        process.kill()
+        raise AssertionError(f"{error}: {process.communicate()[0]}") from None
+    return process
 
 
 def stop(process: subprocess.Popen, sig: int) -> tuple[int, list[dict]]:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.core.policy import WindowSettings, load_policy
+from blocktune.tuner.config.policy import WindowSettings, load_policy
 from blocktune.tuner.sidecar import state as state_module
 from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import Observations

@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
-from blocktune.tuner.core.policy import Sources, VllmMetricsSettings, load_policy
+from blocktune.tuner.config.policy import Sources, VllmMetricsSettings, load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import SourceRunner

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from blocktune.tuner.core.calibration import StepCoefficients
-from blocktune.tuner.core.step_fit import TimedStep, fit_steps, predict_step_s
+from blocktune.tuner.config.calibration import StepCoefficients
+from blocktune.tuner.measure.step_fit import TimedStep, fit_steps, predict_step_s
 
 TRUE = {
     8: StepCoefficients(

@@ -16,8 +16,8 @@ from distributed import Client
 
 from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.cli import main
-from blocktune.tuner.core.calibration import default_calibration
-from blocktune.tuner.core.policy import load_policy, policy_path
+from blocktune.tuner.config.calibration import default_calibration
+from blocktune.tuner.config.policy import load_policy, policy_path
 from blocktune.tuner.replay.report import RESULT_KEYS
 from blocktune.tuner.replay.runner import plan_replay
 from blocktune.tuner.sweep.executor import dask_client, submit_replay, track

@@ -5,14 +5,14 @@ from pathlib import Path
 
 import pytest
 
-from blocktune.tuner.core.calibration import (
+from blocktune.tuner.config.calibration import (
     ANALYTIC_FILE,
     bundled_files,
     default_calibration,
     load_calibration,
 )
-from blocktune.tuner.core.config_files import ConfigError
-from blocktune.tuner.core.policy import load_policy, policy_path
+from blocktune.tuner.config.config_files import ConfigError
+from blocktune.tuner.config.policy import load_policy, policy_path
 from blocktune.tuner.replay.inputs import TraceInput
 from blocktune.tuner.sweep.spec import AS_WRITTEN, load_sweep
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.core.calibration import (
+from blocktune.tuner.config.calibration import (
     ANALYTIC_FILE,
     CalibrationError,
     analytic_calibration,
@@ -20,9 +20,9 @@ from blocktune.tuner.core.calibration import (
     device_mismatch,
     load_calibration,
 )
-from blocktune.tuner.core.config_files import ConfigError
-from blocktune.tuner.core.measure import measure_host
-from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.config.config_files import ConfigError
+from blocktune.tuner.config.policy import load_policy
+from blocktune.tuner.measure.measure import measure_host
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.core.block_replay import replay_block_manager
-from blocktune.tuner.core.calibration import Calibration
-from blocktune.tuner.core.cost_model import (
+from blocktune.tuner.config.calibration import Calibration
+from blocktune.tuner.config.policy import Policy
+from blocktune.tuner.measure.block_replay import replay_block_manager
+from blocktune.tuner.sim.cost_model import (
     CostModel,
     EmptyWindow,
     article_heuristic,
@@ -19,7 +20,6 @@ from blocktune.tuner.core.cost_model import (
     nearest_power_of_two,
     token_steps,
 )
-from blocktune.tuner.core.policy import Policy
 
 SIZES = (8, 16, 32, 64)
 SHAPE = {"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 8, "dtype": "float16"}

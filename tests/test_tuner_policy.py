@@ -9,9 +9,9 @@ import yaml
 from pydantic import ValidationError
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.core import config_files
-from blocktune.tuner.core.config_files import MAX_PROBLEMS, ConfigError
-from blocktune.tuner.core.policy import Policy, load_policy, parse_duration
+from blocktune.tuner.config import config_files
+from blocktune.tuner.config.config_files import MAX_PROBLEMS, ConfigError
+from blocktune.tuner.config.policy import Policy, load_policy, parse_duration
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
 
@@ -169,7 +169,7 @@ def test_policy_check_command(tmp_path, capsys):
 
 
 def test_bundled_policies_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
-    from blocktune.tuner.core.policy import bundled_policies, policy_path
+    from blocktune.tuner.config.policy import bundled_policies, policy_path
 
     monkeypatch.chdir(tmp_path)
     assert set(bundled_policies()) == {

@@ -7,8 +7,8 @@ import pytest
 
 from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.cli import main
-from blocktune.tuner.core.calibration import ANALYTIC_FILE, analytic_calibration, bundled_files
-from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.config.calibration import ANALYTIC_FILE, analytic_calibration, bundled_files
+from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.core.recommendation import recommend
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from blocktune.traces.synth import customer_service_day
-from blocktune.tuner.core.calibration import analytic_calibration
-from blocktune.tuner.core.forecast import CAPACITY_RANGE, Forecaster
-from blocktune.tuner.core.policy import load_policy
+from blocktune.tuner.config.calibration import analytic_calibration
+from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.core.selector import InvalidBlockSize, Selector
-from blocktune.tuner.core.window import LengthWindow
+from blocktune.tuner.sim.forecast import CAPACITY_RANGE, Forecaster
+from blocktune.tuner.sim.window import LengthWindow
 
 POLICIES = Path(__file__).resolve().parents[1] / "policies"
 DEFAULT = load_policy(POLICIES / "default.yaml")

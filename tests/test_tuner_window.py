@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocktune.tuner.core.window import InvalidWindowInput, LengthWindow, prefix_key
+from blocktune.tuner.sim.window import InvalidWindowInput, LengthWindow, prefix_key
 
 
 def test_snapshot_keeps_order_and_summarises_lengths():

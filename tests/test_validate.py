@@ -13,15 +13,15 @@ import pandas as pd
 import pytest
 
 from blocktune.runtime.engine import Engine, EngineConfig
-from blocktune.runtime.model import load_model
-from blocktune.tuner.core.calibration import analytic_calibration
-from blocktune.tuner.core.policy import Policy
-from blocktune.tuner.core.simulator import simulate
-from blocktune.tuner.core.step_cost import StepCostModel
-from blocktune.tuner.core.workload import Workload
-from blocktune.tuner.replay.live import prompt_ids, serve_live
-from blocktune.tuner.replay.served_metrics import ServedMetrics
-from blocktune.tuner.replay.validation import BlockSizeCheck, Validation
+from blocktune.runtime.loading import load_weights
+from blocktune.tuner.config.calibration import analytic_calibration
+from blocktune.tuner.config.policy import Policy
+from blocktune.tuner.fidelity.live import prompt_ids, serve_live
+from blocktune.tuner.fidelity.served_metrics import ServedMetrics
+from blocktune.tuner.fidelity.validation import BlockSizeCheck, Validation
+from blocktune.tuner.sim.simulator import simulate
+from blocktune.tuner.sim.step_cost import StepCostModel
+from blocktune.tuner.sim.workload import Workload
 
 STEP_S = 0.25  # exact in binary, so both sides' sums of step times are exact too
 SLOT_BYTES = 2 * 2 * 16 * 4 * 2  # tiny-random: layers x K/V heads x head_dim x fp32 x (K, V)
@@ -29,7 +29,7 @@ SLOT_BYTES = 2 * 2 * 16 * 4 * 2  # tiny-random: layers x K/V heads x head_dim x 
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model("tiny-random", seed=0)
+    return load_weights("tiny-random", seed=0)
 
 
 def _workload(arrivals, prompts, outputs):

@@ -10,7 +10,7 @@ import pytest
 
 from blocktune.runtime.engine import Engine, EngineConfig, FinishedRequest, SamplingParams
 from blocktune.runtime.engine_loop import EngineLoop
-from blocktune.runtime.model import load_model
+from blocktune.runtime.loading import load_weights
 from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.serving.worker_app import LengthPusher, create_worker_app
 
@@ -20,7 +20,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model("tiny-random", seed=0)
+    return load_weights("tiny-random", seed=0)
 
 
 def _engine(model, **config):
@@ -264,20 +264,31 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_worker_recovers(
     loop.check()
 
 
-def test_worker_command_takes_candidates_and_token_env_from_a_policy(tmp_path, capsys):
+def test_worker_command_takes_its_pool_candidates_and_token_env_from_a_policy(tmp_path, capsys):
     from blocktune.tuner.cli import build_parser, main
-    from blocktune.tuner.cli.worker import candidates_and_token_env
+    from blocktune.tuner.cli.worker import config_from_args
 
     policy = tmp_path / "policy.yaml"
     default = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
     text = default.read_text().replace("[8, 16, 32, 64, 128]", "[8, 32]")
+    text = text.replace("kv_budget: 4GiB", "kv_budget: 96MiB")
     policy.write_text(text + "auth: {token_env: MY_WORKER_TOKEN}\n")
     parse = build_parser().parse_args
-    args = parse(["worker", "--policy", str(policy)])
-    assert candidates_and_token_env(args) == ([8, 32], "MY_WORKER_TOKEN")
-    flags = parse(["worker", "--policy", str(policy), "--candidates", "16", "--token-env", "T"])
-    assert candidates_and_token_env(flags) == ([16], "T")
-    assert candidates_and_token_env(parse(["worker"])) == ([8, 16, 32, 64, 128], "BLOCKTUNE_TOKEN")
+    config = config_from_args(parse(["worker", "--policy", str(policy)]))
+    # 16 is not a candidate: the policy starts at the candidate nearest to it (8 and 32 tie
+    # at a factor of 2; the smaller wins), and the pool is the policy's budget.
+    assert (config.pool.kv_bytes, config.pool.block_size) == (96 * 2**20, 8)
+    assert (config.pool.candidates, config.token_env) == ((8, 32), "MY_WORKER_TOKEN")
+    flags = parse(
+        ["worker", "--policy", str(policy), "--candidates", "16", "--token-env", "T"]
+        + ["--kv-bytes", "1MiB", "--block-size", "16"]
+    )
+    config = config_from_args(flags)
+    assert (config.pool.kv_bytes, config.pool.block_size) == (2**20, 16)
+    assert (config.pool.candidates, config.token_env) == ((16,), "T")
+    bare = config_from_args(parse(["worker"]))
+    assert (bare.pool.kv_bytes, bare.pool.block_size) == (64 * 2**20, 16)
+    assert (bare.pool.candidates, bare.token_env) == ((8, 16, 32, 64, 128), "BLOCKTUNE_TOKEN")
     policy.write_text("deployment: x\nbogus: 1\n")
     assert main(["worker", "--policy", str(policy)]) == 2
     assert "bogus" in capsys.readouterr().err

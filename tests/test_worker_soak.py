@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
-from blocktune.runtime.model import load_model
+from blocktune.runtime.loading import load_weights
 from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.serving.worker_app import EngineLoop, create_worker_app
 
@@ -19,7 +19,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 @pytest.fixture(scope="module")
 def model():
-    return load_model("tiny-random", seed=0)
+    return load_weights("tiny-random", seed=0)
 
 
 def _requests(count, seed):

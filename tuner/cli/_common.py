@@ -11,20 +11,20 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blocktune.tuner.core.defaults import DEFAULT_DAY_RATE_SCALE, SYNTHETIC_TRACE
+from blocktune.runtime.defaults import ENGINE_DTYPES
+from blocktune.tuner.config.defaults import DEFAULT_DAY_RATE_SCALE, SYNTHETIC_TRACE
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from blocktune.runtime.model import LlamaModel
-    from blocktune.tuner.core.calibration import Calibration
-    from blocktune.tuner.core.policy import Policy
+    from blocktune.tuner.config.calibration import Calibration
+    from blocktune.tuner.config.policy import Policy
 
 __all__ = [
     "DayFlagError",
     "add_calibration_argument",
     "add_day_arguments",
-    "DTYPE_NAMES",
     "add_engine_arguments",
     "add_load_arguments",
     "add_model_arguments",
@@ -55,7 +55,6 @@ DAY_DURATION_S = 86_400.0
 SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads")
 """The keys of `--model-shape`; kv_heads may be left out (then it equals heads)."""
 
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
 """The `--dtype` choices: the names of `blocktune.runtime.loading.DTYPES` (kept torch-free)."""
 
 
@@ -215,8 +214,8 @@ def load_policy_and_calibration(
     """The policy (a file or a bundled name) and the calibration file `calibration`, or
     else the one the policy names, whose relative paths start at the policy file's
     folder. Raises `ConfigError` or `CalibrationError`."""
-    from blocktune.tuner.core.calibration import calibration_for, load_calibration
-    from blocktune.tuner.core.policy import load_policy, policy_path
+    from blocktune.tuner.config.calibration import calibration_for, load_calibration
+    from blocktune.tuner.config.policy import load_policy, policy_path
 
     path = policy_path(name_or_path)
     policy = load_policy(path)
@@ -266,12 +265,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def load_shaped_model_from_args(args: argparse.Namespace, *, device: str) -> tuple[LlamaModel, str]:
     """The model of `add_model_arguments` (seeded by `args.seed`) and a name for it.
     Raises `ModelLoadError`."""
-    from blocktune.runtime.loading import random_model
-    from blocktune.runtime.model import ModelConfig, load_model
+    from blocktune.runtime.loading import load_weights, random_model
+    from blocktune.runtime.model import ModelConfig
 
     shape = args.model_shape
     if shape is None:
-        return load_model(args.model, seed=args.seed, device=device), str(args.model)
+        return load_weights(args.model, seed=args.seed, device=device), str(args.model)
     config = ModelConfig(
         vocab_size=256,
         hidden_size=shape["hidden"],
@@ -313,9 +312,12 @@ def set_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) -> None:
-    """The model and engine flags that `generate` and `worker` share."""
-    from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, *, max_num_seqs: int, block_size_from_policy: bool = False
+) -> None:
+    """The model and engine flags that `generate` and `worker` share; with
+    `block_size_from_policy`, `--block-size` defaults to None (the policy decides)."""
+    from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE
 
     parser.add_argument(
         "--model",
@@ -326,7 +328,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
     )
     parser.add_argument(
         "--dtype",
-        choices=DTYPE_NAMES,
+        choices=ENGINE_DTYPES,
         default="float32",
         help="weights and KV cache dtype (default: %(default)s)",
     )
@@ -336,8 +338,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
     parser.add_argument(
         "--block-size",
         type=int,
-        default=DEFAULT_BLOCK_SIZE,
-        help="initial KV block size in tokens (default: %(default)s)",
+        default=None if block_size_from_policy else DEFAULT_BLOCK_SIZE,
+        help="initial KV block size in tokens (default: "
+        + (
+            f"the policy's starting size, else {DEFAULT_BLOCK_SIZE})"
+            if block_size_from_policy
+            else "%(default)s)"
+        ),
     )
     parser.add_argument(
         "--backend",
@@ -368,19 +375,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, max_num_seqs: int) 
     )
 
 
-def engine_config_from_args(args: argparse.Namespace, candidates, **pool):
-    """The `EngineConfig` of the engine flags; `candidates` are the block sizes a swap may
-    choose (the initial one is added) and `pool` sizes the KV pool (`kv_bytes` or
-    `num_blocks`)."""
+def engine_config_from_args(args: argparse.Namespace, *, block_size: int, candidates, **pool):
+    """The `EngineConfig` of the engine flags, starting at `block_size`; `candidates` are the
+    block sizes a swap may choose (the starting one is added) and `pool` sizes the KV pool
+    (`kv_bytes` or `num_blocks`)."""
     from blocktune.runtime.engine import EngineConfig
 
     return EngineConfig(
-        block_size=args.block_size,
+        block_size=block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         attention_backend=args.backend,
-        candidate_block_sizes=tuple(sorted({*candidates, args.block_size})),
+        candidate_block_sizes=tuple(sorted({*candidates, block_size})),
         **pool,
     )
 

@@ -27,8 +27,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
 
     from blocktune.runtime.model import ModelLoadError
     from blocktune.tuner.cli._common import load_shaped_model_from_args, set_threads
-    from blocktune.tuner.core.engine_measure import measure_engine_calibration
-    from blocktune.tuner.core.measure import default_grid, measure_calibration
+    from blocktune.tuner.measure.engine_measure import measure_engine_calibration
+    from blocktune.tuner.measure.measure import default_grid, measure_calibration
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -79,7 +79,7 @@ def _engine_grid(args: argparse.Namespace):
     """The default engine grid (quick or full) with the dimensions given on the command line."""
     from dataclasses import replace
 
-    from blocktune.tuner.core.engine_measure import default_engine_grid
+    from blocktune.tuner.measure.engine_measure import default_engine_grid
 
     grid = default_engine_grid(quick=args.quick, block_sizes=tuple(args.block_sizes))
     given = {
@@ -92,7 +92,7 @@ def _engine_grid(args: argparse.Namespace):
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `calibrate` to the command line."""
-    from blocktune.tuner.core.engine_measure import default_engine_grid
+    from blocktune.tuner.measure.engine_measure import default_engine_grid
 
     parser = commands.add_parser(
         "calibrate",

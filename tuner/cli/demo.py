@@ -13,7 +13,7 @@ def run_demo(args: argparse.Namespace) -> int:
     through them, print a line per interval, and verify every completion."""
     from blocktune.runtime.loading import TINY_RANDOM
     from blocktune.runtime.model import ModelLoadError
-    from blocktune.tuner.serving.closed_loop import run_closed_loop
+    from blocktune.tuner.demo.closed_loop import run_closed_loop
 
     tiny = args.model == TINY_RANDOM
     try:
@@ -23,7 +23,8 @@ def run_demo(args: argparse.Namespace) -> int:
             interval_s=args.interval,
             rate_per_s=args.rate or (3.0 if tiny else 1.0),
             seed=args.seed,
-            kv_bytes="64MiB" if tiny else "256MiB",
+            # SmolLM2's answers need a larger pool than the policy's 64 MiB for a Llama-8B.
+            kv_bytes=None if tiny else "256MiB",
         )
     except ModelLoadError as error:
         print(

@@ -12,7 +12,7 @@ from blocktune.tuner.cli._common import (
     engine_config_from_args,
     load_model_from_args,
 )
-from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES
+from blocktune.tuner.config.defaults import DEFAULT_CANDIDATES
 
 __all__ = ["register"]
 
@@ -36,7 +36,10 @@ def run_generate(args: argparse.Namespace) -> int:
         loaded = load_model_from_args(args)
         swaps = {b for _, b in args.swap_at}
         config = engine_config_from_args(
-            args, {*DEFAULT_CANDIDATES, *swaps}, num_blocks=args.num_blocks
+            args,
+            block_size=args.block_size,
+            candidates={*DEFAULT_CANDIDATES, *swaps},
+            num_blocks=args.num_blocks,
         )
         engine = Engine(loaded.model, config)
     except (PromptFileError, ModelLoadError, ValueError) as error:

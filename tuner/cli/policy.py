@@ -11,13 +11,13 @@ __all__ = ["check_policy", "register"]
 def check_policy(name_or_path: Path | str) -> tuple[list[str], list[str]]:
     """Every problem of one policy file or bundled policy (schema first, then its
     calibration), and the warnings of a valid one (a calibration for another device)."""
-    from blocktune.tuner.core.calibration import (
+    from blocktune.tuner.config.calibration import (
         CalibrationError,
         calibration_for,
         device_mismatch,
     )
-    from blocktune.tuner.core.config_files import ConfigError
-    from blocktune.tuner.core.policy import load_policy, policy_path
+    from blocktune.tuner.config.config_files import ConfigError
+    from blocktune.tuner.config.policy import load_policy, policy_path
 
     try:
         path = policy_path(name_or_path)

@@ -20,14 +20,14 @@ from blocktune.tuner.cli._common import (
     positive_int,
     report_skipped,
 )
-from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE, SYNTHETIC_TRACE
-from blocktune.tuner.core.text_table import text_table
+from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE, SYNTHETIC_TRACE
+from blocktune.tuner.config.text_table import text_table
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from blocktune.tuner.core.selector import Decision
-    from blocktune.tuner.core.window import WindowSnapshot
+    from blocktune.tuner.sim.window import WindowSnapshot
 
 __all__ = ["register"]
 
@@ -37,7 +37,7 @@ def _kib(value: float) -> str:
 
 
 def _forecast_columns() -> tuple:
-    from blocktune.tuner.core.forecast import ServingMetrics
+    from blocktune.tuner.sim.forecast import ServingMetrics
 
     return (
         ("capacity", "x load", lambda f: f"{f.capacity:.3g}"),
@@ -109,7 +109,7 @@ def format_decision_table(decision: Decision, snapshot: WindowSnapshot) -> str:
 
 def to_json(decision: Decision, snapshot: WindowSnapshot, **extra: object) -> str:
     """The decision's JSON (`Decision.to_dict`) with the window summary and `extra`."""
-    from blocktune.tuner.core.jsonable import to_jsonable
+    from blocktune.tuner.config.jsonable import to_jsonable
 
     payload = {**decision.to_dict(), "window": to_jsonable(snapshot.summary()), **extra}
     return json.dumps(payload, indent=2, allow_nan=False)
@@ -141,8 +141,8 @@ def _load_frame(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
 def run_recommend(args: argparse.Namespace) -> int:
     """Price every candidate block size for a trace under a policy and print the choice."""
     from blocktune.traces.schema import TraceError
-    from blocktune.tuner.core.calibration import CalibrationError, device_mismatch
-    from blocktune.tuner.core.config_files import ConfigError
+    from blocktune.tuner.config.calibration import CalibrationError, device_mismatch
+    from blocktune.tuner.config.config_files import ConfigError
     from blocktune.tuner.core.recommendation import RecommendError, recommend
 
     try:

@@ -26,13 +26,13 @@ from blocktune.tuner.cli._common import (
     load_trace_or_day,
     positive_int,
 )
-from blocktune.tuner.core.defaults import DEFAULT_POLICY, SYNTHETIC_TRACE
+from blocktune.tuner.config.defaults import DEFAULT_POLICY, SYNTHETIC_TRACE
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from blocktune.tuner.core.calibration import Calibration
-    from blocktune.tuner.core.policy import Policy
+    from blocktune.tuner.config.calibration import Calibration
+    from blocktune.tuner.config.policy import Policy
     from blocktune.tuner.replay.runner import ReplayReport
 
 __all__ = ["register"]
@@ -80,9 +80,9 @@ def run_replay(args: argparse.Namespace) -> int:
     policy interval of trace time) and the hindsight oracle. Prints one row per policy."""
     from blocktune.traces.schema import TraceError
     from blocktune.traces.synth import WorkloadError
-    from blocktune.tuner.core.calibration import CalibrationError
-    from blocktune.tuner.core.config_files import ConfigError
-    from blocktune.tuner.replay.fidelity import load_fidelity
+    from blocktune.tuner.config.calibration import CalibrationError
+    from blocktune.tuner.config.config_files import ConfigError
+    from blocktune.tuner.fidelity.fidelity import load_fidelity
     from blocktune.tuner.replay.plots import write_plots
     from blocktune.tuner.replay.report import format_replay_table, report_dict, write_json
     from blocktune.tuner.replay.runner import ADAPTIVE, ReplayError

@@ -14,9 +14,9 @@ def run_serve(args: argparse.Namespace) -> int:
     scheduler, save the state and exit 0."""
     import logging
 
-    from blocktune.tuner.core.calibration import CalibrationError
-    from blocktune.tuner.core.config_files import ConfigError
-    from blocktune.tuner.core.policy import load_policy, policy_path
+    from blocktune.tuner.config.calibration import CalibrationError
+    from blocktune.tuner.config.config_files import ConfigError
+    from blocktune.tuner.config.policy import load_policy, policy_path
     from blocktune.tuner.operations import log_event, token_from_env
     from blocktune.tuner.serving.http import InsecureBind, check_bind
     from blocktune.tuner.serving.sidecar_app import serve_sidecar

@@ -30,8 +30,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     and prints per trace and policy the best setting and block size on the policy's goal and
     the adaptive policy's goal value there over that size's.
     Exits 1 when some point failed (the others are written), 130 on Ctrl-C."""
-    from blocktune.tuner.core.calibration import CalibrationError
-    from blocktune.tuner.core.config_files import ConfigError
+    from blocktune.tuner.config.calibration import CalibrationError
+    from blocktune.tuner.config.config_files import ConfigError
     from blocktune.tuner.sweep.executor import dask_client
     from blocktune.tuner.sweep.runner import run_sweep
     from blocktune.tuner.sweep.spec import load_sweep

@@ -30,7 +30,7 @@ from blocktune.tuner.cli._common import (
 
 if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
-    from blocktune.tuner.core.calibration import Calibration
+    from blocktune.tuner.config.calibration import Calibration
 
 __all__ = ["register"]
 
@@ -48,13 +48,13 @@ def run_validate(args: argparse.Namespace) -> int:
         load_shaped_model_from_args,
         load_trace_or_day,
     )
-    from blocktune.tuner.core.workload import Workload
-    from blocktune.tuner.replay.validation import validate
-    from blocktune.tuner.replay.validation_report import (
+    from blocktune.tuner.fidelity.validation import validate
+    from blocktune.tuner.fidelity.validation_report import (
         format_validation_table,
         validation_dict,
         write_validation,
     )
+    from blocktune.tuner.sim.workload import Workload
 
     def progress(message: str) -> None:
         print(f"validate: {message}", file=sys.stderr, flush=True)
@@ -108,8 +108,11 @@ def _engine_calibration(
     """The calibration given (it must have an engine section), or one measured now with the
     default grid; torch uses the calibration's threads unless --threads says otherwise."""
     from blocktune.tuner.cli._common import set_threads
-    from blocktune.tuner.core.calibration import CalibrationError
-    from blocktune.tuner.core.engine_measure import default_engine_grid, measure_engine_calibration
+    from blocktune.tuner.config.calibration import CalibrationError
+    from blocktune.tuner.measure.engine_measure import (
+        default_engine_grid,
+        measure_engine_calibration,
+    )
 
     if args.calibration is not None:
         if calibration.engine is None:
@@ -134,7 +137,7 @@ def _engine_calibration(
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `validate` to the command line."""
-    from blocktune.tuner.replay.served_metrics import METRICS
+    from blocktune.tuner.fidelity.served_metrics import METRICS
 
     parser = commands.add_parser(
         "validate",

@@ -10,7 +10,7 @@ from blocktune.tuner.cli._common import (
     engine_config_from_args,
     load_model_from_args,
 )
-from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES, DEFAULT_TOKEN_ENV
+from blocktune.tuner.config.defaults import DEFAULT_TOKEN_ENV
 
 __all__ = ["register"]
 
@@ -28,16 +28,18 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def candidates_and_token_env(args: argparse.Namespace) -> tuple[list[int], str]:
-    """Flags first, then the policy's candidates and auth.token_env, then the defaults."""
-    candidates, token_env = args.candidates, args.token_env
-    if args.policy is not None:
-        from blocktune.tuner.core.policy import load_policy
+def config_from_args(args: argparse.Namespace):
+    """The `WorkerConfig` of the flags and `--policy` (flags win). Raises `ConfigError`."""
+    from blocktune.tuner.config.policy import load_policy
+    from blocktune.tuner.config.worker_config import worker_config
 
-        policy = load_policy(args.policy)
-        candidates = candidates or list(policy.candidates)
-        token_env = token_env or policy.auth.token_env
-    return candidates or list(DEFAULT_CANDIDATES), token_env or DEFAULT_TOKEN_ENV
+    return worker_config(
+        load_policy(args.policy) if args.policy else None,
+        kv_bytes=args.kv_bytes,
+        block_size=args.block_size,
+        candidates=args.candidates,
+        token_env=args.token_env,
+    )
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -47,25 +49,28 @@ def run_worker(args: argparse.Namespace) -> int:
     from blocktune.runtime.engine import Engine
     from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.model import ModelLoadError
-    from blocktune.tuner.core.config_files import ConfigError
-    from blocktune.tuner.core.policy import ServerSettings, load_policy
+    from blocktune.tuner.config.config_files import ConfigError
     from blocktune.tuner.operations import token_from_env
     from blocktune.tuner.serving.http import InsecureBind, check_bind
     from blocktune.tuner.serving.worker_app import LengthPusher, serve_worker
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        candidates, token_env = candidates_and_token_env(args)
-        server = load_policy(args.policy).server if args.policy else ServerSettings()
+        config = config_from_args(args)
     except ConfigError as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
-    token = token_from_env(token_env)
+    token = token_from_env(config.token_env)
     try:
         check_bind(args.host, token)
         loaded = load_model_from_args(args)
-        config = engine_config_from_args(args, candidates, kv_bytes=args.kv_bytes)
-        engine = Engine(loaded.model, config)
+        pool = config.pool
+        engine = Engine(
+            loaded.model,
+            engine_config_from_args(
+                args, block_size=pool.block_size, candidates=pool.candidates, kv_bytes=pool.kv_bytes
+            ),
+        )
     except (InsecureBind, ModelLoadError, ValueError) as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
@@ -90,7 +95,7 @@ def run_worker(args: argparse.Namespace) -> int:
         port=args.port,
         token=token,
         pusher=pusher,
-        server=server,
+        server=config.server,
     )
     return 0
 
@@ -108,7 +113,7 @@ def register(commands: argparse._SubParsersAction) -> None:
             "--sidecar, finished request lengths are pushed to a blocktune sidecar."
         ),
     )
-    add_engine_arguments(parser, max_num_seqs=64)
+    add_engine_arguments(parser, max_num_seqs=64, block_size_from_policy=True)
     parser.add_argument(
         "--served-model-name",
         default=None,
@@ -122,7 +127,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--policy",
         default=None,
-        help="a deployment policy: its candidates and auth.token_env are the defaults here, "
+        help="a deployment policy: its kv_budget, starting block size (server.initial_block_size, "
+        "else the candidate nearest 16), candidates and auth.token_env are the defaults here, "
         "and its server section's read_timeout, keep_alive and max_connections apply",
     )
     parser.add_argument(
@@ -137,8 +143,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--kv-bytes",
         type=parse_bytes,
-        default=64 * 2**20,
-        help="KV pool size, e.g. 64MiB or 1GiB (default: 64MiB)",
+        default=None,
+        help="KV pool size, e.g. 64MiB or 1GiB (default: the policy's kv_budget, else 64MiB)",
     )
     parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
     parser.add_argument(

@@ -1,4 +1,4 @@
-"""The decision core: policy and YAML loading, calibration, measurement, cost model, selector.
+"""The decision: the selector (heuristic, forecasts, switching rule) and one-shot recommendations.
 
-No HTTP and no scheduler threads here; nothing in this package imports another tuner sub-package.
+Builds on `tuner.sim` and `tuner.config`; no HTTP, no scheduler threads, no engine.
 """

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pandas as pd
 
-from blocktune.tuner.core.calibration import Calibration
-from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
-from blocktune.tuner.core.policy import Policy
+from blocktune.tuner.config.calibration import Calibration
+from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE
+from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.core.selector import Decision, Selector
-from blocktune.tuner.core.step_cost import StepCostModel
-from blocktune.tuner.core.window import LengthWindow, WindowSnapshot
+from blocktune.tuner.sim.step_cost import StepCostModel
+from blocktune.tuner.sim.window import LengthWindow, WindowSnapshot
 
 __all__ = ["RecommendError", "recommend"]
 

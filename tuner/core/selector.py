@@ -32,17 +32,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from blocktune.kernels import is_power_of_two
-from blocktune.tuner.core.calibration import Calibration
-from blocktune.tuner.core.cost_model import ArticleHeuristic, CandidateCost, CostModel
-from blocktune.tuner.core.forecast import (
+from blocktune.tuner.config.calibration import Calibration
+from blocktune.tuner.config.jsonable import to_jsonable
+from blocktune.tuner.config.policy import Policy
+from blocktune.tuner.sim.cost_model import ArticleHeuristic, CandidateCost, CostModel
+from blocktune.tuner.sim.forecast import (
     Forecast,
     Forecaster,
     goal_higher_is_better,
     relative_gain,
 )
-from blocktune.tuner.core.jsonable import to_jsonable
-from blocktune.tuner.core.policy import Policy
-from blocktune.tuner.core.window import WindowSnapshot
+from blocktune.tuner.sim.window import WindowSnapshot
 
 __all__ = ["Decision", "InvalidBlockSize", "Selector"]
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blocktune.tuner.core.calibration import Calibration
-from blocktune.tuner.core.policy import Policy
+from blocktune.tuner.config.calibration import Calibration
+from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.core.selector import Decision, Selector
-from blocktune.tuner.core.window import LengthWindow
+from blocktune.tuner.sim.window import LengthWindow
 
 __all__ = ["AdaptiveController", "OracleController", "TimelinePoint"]
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from blocktune.traces.formats import FORMATS, TIME_UNITS
 from blocktune.traces.loaders import LoadedTrace, load_trace
 from blocktune.traces.synth import DAY_S, customer_service_day
-from blocktune.tuner.core.defaults import DEFAULT_DAY_RATE_SCALE, SYNTHETIC_TRACE
+from blocktune.tuner.config.defaults import DEFAULT_DAY_RATE_SCALE, SYNTHETIC_TRACE
 
 __all__ = [
     "LoadedInput",

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from blocktune.tuner.core.cost_model import CostModel
-from blocktune.tuner.core.forecast import goal_higher_is_better
-from blocktune.tuner.core.policy import SloSettings
-from blocktune.tuner.core.simulator import Run
-from blocktune.tuner.core.workload import Workload
+from blocktune.tuner.config.policy import SloSettings
+from blocktune.tuner.sim.cost_model import CostModel
+from blocktune.tuner.sim.forecast import goal_higher_is_better
+from blocktune.tuner.sim.simulator import Run
+from blocktune.tuner.sim.workload import Workload
 
 __all__ = ["GoalScores", "IntervalCosts", "goal_value", "within_slo"]
 

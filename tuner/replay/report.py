@@ -14,11 +14,11 @@ import json
 import math
 from pathlib import Path
 
-from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
-from blocktune.tuner.core.forecast import ServingMetrics, goal_higher_is_better
-from blocktune.tuner.core.jsonable import to_jsonable
-from blocktune.tuner.core.text_table import text_table
+from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE
+from blocktune.tuner.config.jsonable import to_jsonable
+from blocktune.tuner.config.text_table import text_table
 from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayReport, static_name
+from blocktune.tuner.sim.forecast import ServingMetrics, goal_higher_is_better
 
 __all__ = [
     "RESULT_KEYS",

@@ -39,15 +39,15 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from blocktune.tuner.core.calibration import Calibration, device_mismatch
-from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE
-from blocktune.tuner.core.forecast import ServingMetrics
-from blocktune.tuner.core.policy import Policy, nearest_power_of_two
-from blocktune.tuner.core.simulator import Controller, Run, simulate
-from blocktune.tuner.core.step_cost import StepCostModel
-from blocktune.tuner.core.workload import EmptyWorkload, Workload
+from blocktune.tuner.config.calibration import Calibration, device_mismatch
+from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE
+from blocktune.tuner.config.policy import Policy, nearest_power_of_two
 from blocktune.tuner.replay.controllers import AdaptiveController, OracleController, TimelinePoint
 from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, goal_value, within_slo
+from blocktune.tuner.sim.forecast import ServingMetrics
+from blocktune.tuner.sim.simulator import Controller, Run, simulate
+from blocktune.tuner.sim.step_cost import StepCostModel
+from blocktune.tuner.sim.workload import EmptyWorkload, Workload
 
 __all__ = [
     "ADAPTIVE",
@@ -78,29 +78,19 @@ def static_name(block_size: int) -> str:
 
 
 @dataclass(frozen=True)
-class PolicyResult:
-    """One policy's metrics (seconds of trace time, bytes of K and V across all layers).
+class PolicyResult(ServingMetrics):
+    """One policy's serving metrics (`ServingMetrics`: seconds of trace time, bytes of K and
+    V across all layers) with what a replay adds.
 
-    `block_size` is None for the policies that change it. TTFT runs from arrival
-    to the first token, TPOT is the mean time between a request's later tokens,
-    e2e from arrival to the last token; `tokens_per_s` counts generated tokens
-    over the replay's span. `goal_value` is the policy goal's score of the run
-    (`objective.goal_value`), `objective` its per-token cost J. `replay_s` is the
-    wall-clock time the simulation took.
+    `block_size` is None for the policies that change it. `goal_value` is the
+    policy goal's score of the run (`objective.goal_value`), `objective` its
+    per-token cost J. `replay_s` is the wall-clock time the simulation took.
     """
 
     policy: str
     block_size: int | None
-    tokens_per_s: float
-    ttft_p50_s: float
-    ttft_p99_s: float
-    tpot_p50_s: float
-    tpot_p99_s: float
-    e2e_p99_s: float
-    peak_kv_bytes: int
     mean_kv_bytes: float
     padding_ratio: float
-    preemptions: int
     swaps: int
     goal_value: float
     objective: float

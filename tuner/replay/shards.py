@@ -37,8 +37,8 @@ from itertools import pairwise
 
 import numpy as np
 
-from blocktune.tuner.core.simulator import Run
 from blocktune.tuner.replay.runner import Played, ReplayError, ReplayPlan
+from blocktune.tuner.sim.simulator import Run
 
 __all__ = ["Shard", "merge_shards", "time_shards"]
 

@@ -1,1 +1,1 @@
-"""The HTTP surfaces (the only place FastAPI is imported): sidecar app, worker app, closed loop."""
+"""The HTTP surfaces (the only place FastAPI is imported): the sidecar app and the worker app."""

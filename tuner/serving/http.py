@@ -40,8 +40,8 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from blocktune.tuner.core.jsonable import from_json
-from blocktune.tuner.core.policy import ServerSettings
+from blocktune.tuner.config.jsonable import from_json
+from blocktune.tuner.config.policy import ServerSettings
 
 __all__ = [
     "MAX_BODY_BYTES",

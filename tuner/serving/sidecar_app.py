@@ -30,8 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from blocktune import __version__
-from blocktune.tuner.core.jsonable import to_jsonable
-from blocktune.tuner.core.policy import ServerSettings
+from blocktune.tuner.config.jsonable import to_jsonable
+from blocktune.tuner.config.policy import ServerSettings
 from blocktune.tuner.serving.http import BearerAuth, guarded_app, server_config
 from blocktune.tuner.sidecar.sidecar import PushDisabled, Sidecar
 from blocktune.tuner.sidecar.sources import (

@@ -39,7 +39,7 @@ from blocktune.runtime.engine import FinishedRequest, RequestError
 from blocktune.runtime.engine_loop import EngineLoop, EngineStepFailed
 from blocktune.runtime.hot_swap import SwapResult
 from blocktune.runtime.tokenizer import Tokenizer
-from blocktune.tuner.core.policy import ServerSettings
+from blocktune.tuner.config.policy import ServerSettings
 from blocktune.tuner.operations import log_event
 from blocktune.tuner.serving.generation import Generation
 from blocktune.tuner.serving.http import BearerAuth, guarded_app, server_config

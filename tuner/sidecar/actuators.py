@@ -27,7 +27,7 @@ import httpx
 from pydantic import TypeAdapter, ValidationError
 
 from blocktune.runtime.swap_result import SwapResult
-from blocktune.tuner.core.policy import BlockSize
+from blocktune.tuner.config.policy import BlockSize
 
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from blocktune.tuner.core.jsonable import from_json
-from blocktune.tuner.core.policy import JsonlLogSettings
+from blocktune.tuner.config.jsonable import from_json
+from blocktune.tuner.config.policy import JsonlLogSettings
 from blocktune.tuner.sidecar.sources import Observation, Observations, PollingSource, Sink
 
 __all__ = ["JsonlLogFollower"]

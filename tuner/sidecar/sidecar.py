@@ -33,11 +33,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from blocktune.kernels import is_power_of_two
-from blocktune.tuner.core.calibration import Calibration, calibration_for, device_mismatch
-from blocktune.tuner.core.jsonable import to_jsonable
-from blocktune.tuner.core.policy import MAX_BLOCK_SIZE, Policy
+from blocktune.tuner.config.calibration import Calibration, calibration_for, device_mismatch
+from blocktune.tuner.config.jsonable import to_jsonable
+from blocktune.tuner.config.policy import MAX_BLOCK_SIZE, Policy
 from blocktune.tuner.core.selector import Decision, Selector
-from blocktune.tuner.core.window import LengthWindow, WindowSnapshot
 from blocktune.tuner.operations import log_event, token_from_env
 from blocktune.tuner.sidecar.actuators import (
     SWAP_STATUSES,
@@ -56,6 +55,7 @@ from blocktune.tuner.sidecar.sources import (
 )
 from blocktune.tuner.sidecar.state import SavedState, SavedWindow, StateFile
 from blocktune.tuner.sidecar.vllm_metrics import VllmMetricsSource
+from blocktune.tuner.sim.window import LengthWindow, WindowSnapshot
 
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine, FinishedRequest

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, TypeA
 from pydantic import ValidationError as PydanticValidationError
 
 from blocktune.traces.schema import MAX_TOKENS
-from blocktune.tuner.core.config_files import format_location
+from blocktune.tuner.config.config_files import format_location
 from blocktune.tuner.operations import log_event
 
 __all__ = [

@@ -35,9 +35,9 @@ from pydantic import (
 )
 
 from blocktune.traces.schema import MAX_TOKENS
-from blocktune.tuner.core.config_files import format_location
-from blocktune.tuner.core.jsonable import from_json
-from blocktune.tuner.core.policy import BlockSize, Policy
+from blocktune.tuner.config.config_files import format_location
+from blocktune.tuner.config.jsonable import from_json
+from blocktune.tuner.config.policy import BlockSize, Policy
 from blocktune.tuner.operations import log_event
 
 __all__ = ["STATE_VERSION", "SavedState", "SavedWindow", "StateFile", "StateFileError"]

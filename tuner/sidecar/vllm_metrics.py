@@ -41,7 +41,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from blocktune.tuner.core.policy import VllmMetricsSettings
+from blocktune.tuner.config.policy import VllmMetricsSettings
 from blocktune.tuner.sidecar.sources import MAX_TOKENS, Observations, PollingSource, Sink
 
 __all__ = [

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from distributed import Client, Future, LocalCluster, as_completed
 from tqdm import tqdm
 
-from blocktune.tuner.core.calibration import Calibration
-from blocktune.tuner.core.policy import Policy
+from blocktune.tuner.config.calibration import Calibration
+from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.replay.runner import (
     ADAPTIVE,
     ORACLE,

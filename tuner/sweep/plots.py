@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from blocktune.tuner.core.forecast import goal_higher_is_better
 from blocktune.tuner.replay.plots import agg_figure
 from blocktune.tuner.replay.report import GOAL_COLUMNS
+from blocktune.tuner.sim.forecast import goal_higher_is_better
 
 __all__ = ["write_plots"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pandas as pd
 
-from blocktune.tuner.core.forecast import goal_higher_is_better
 from blocktune.tuner.replay.report import RESULT_KEYS, goal_ratio, report_dict
 from blocktune.tuner.replay.runner import ADAPTIVE, ReplayReport
+from blocktune.tuner.sim.forecast import goal_higher_is_better
 
 __all__ = ["POINT_COLUMNS", "RESULT_COLUMNS", "summary_table", "sweep_rows"]
 

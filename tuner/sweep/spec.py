@@ -47,15 +47,15 @@ from pydantic import (
     field_validator,
 )
 
-from blocktune.tuner.core.calibration import Calibration, calibration_for
-from blocktune.tuner.core.config_files import (
+from blocktune.tuner.config.calibration import Calibration, calibration_for
+from blocktune.tuner.config.config_files import (
     ConfigError,
     error_message,
     format_location,
     load_yaml_model,
 )
-from blocktune.tuner.core.defaults import SYNTHETIC_TRACE
-from blocktune.tuner.core.policy import Policy, load_policy, policy_path
+from blocktune.tuner.config.defaults import SYNTHETIC_TRACE
+from blocktune.tuner.config.policy import Policy, load_policy, policy_path
 from blocktune.tuner.replay.inputs import TraceInput, day_label
 
 __all__ = [

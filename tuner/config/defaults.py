@@ -2,24 +2,23 @@
 
 Like vLLM's ``CacheConfig.DEFAULT_BLOCK_SIZE``: a command, a policy field or a
 report that needs one of these imports it from here instead of typing it again.
+The engine's own defaults are the runtime's (`blocktune.runtime.defaults`),
+re-exported here.
 """
 
 from __future__ import annotations
+
+from blocktune.runtime.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CANDIDATES, DEFAULT_KV_BYTES
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "DEFAULT_CANDIDATES",
     "DEFAULT_DAY_RATE_SCALE",
+    "DEFAULT_KV_BYTES",
     "DEFAULT_POLICY",
     "DEFAULT_TOKEN_ENV",
     "SYNTHETIC_TRACE",
 ]
-
-DEFAULT_BLOCK_SIZE = 16
-"""vLLM's default block size: where a deployment starts and what replays compare against."""
-
-DEFAULT_CANDIDATES = (8, 16, 32, 64, 128)
-"""The block sizes a policy chooses among when it names none."""
 
 DEFAULT_TOKEN_ENV = "BLOCKTUNE_TOKEN"
 """The environment variable holding the bearer token of the mutating HTTP endpoints."""

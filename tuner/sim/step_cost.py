@@ -29,9 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from blocktune.tuner.core.calibration import Calibration, StepCoefficients
-from blocktune.tuner.core.cost_model import CostModel
-from blocktune.tuner.core.policy import Policy
+from blocktune.tuner.config.calibration import Calibration, StepCoefficients
+from blocktune.tuner.config.policy import Policy
+from blocktune.tuner.sim.cost_model import CostModel
 
 __all__ = ["StepCostModel"]
 

@@ -35,16 +35,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from blocktune.tuner.core.calibration import (
+from blocktune.tuner.config.calibration import (
     STEP_FORM,
     Calibration,
     EngineCalibration,
     EngineModel,
     prefill_pairs,
 )
-from blocktune.tuner.core.measure import default_grid, measure_calibration, measured_provenance
-from blocktune.tuner.core.policy import ModelShape
-from blocktune.tuner.core.step_fit import TimedStep, fit_steps
+from blocktune.tuner.config.policy import ModelShape
+from blocktune.tuner.measure.measure import default_grid, measure_calibration, measured_provenance
+from blocktune.tuner.measure.step_fit import TimedStep, fit_steps
 
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine

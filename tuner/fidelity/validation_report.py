@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 
-from blocktune.tuner.core.jsonable import to_jsonable
-from blocktune.tuner.replay.served_metrics import METRICS
-from blocktune.tuner.replay.validation import Validation
+from blocktune.tuner.config.jsonable import to_jsonable
+from blocktune.tuner.fidelity.served_metrics import METRICS
+from blocktune.tuner.fidelity.validation import Validation
 
 __all__ = [
     "GOAL_METRICS",

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from blocktune.tuner.core.config_files import load_yaml_model
-from blocktune.tuner.replay.validation_report import format_median_errors, metric_title
+from blocktune.tuner.config.config_files import load_yaml_model
+from blocktune.tuner.fidelity.validation_report import format_median_errors, metric_title
 
 __all__ = ["FIDELITY_GOALS", "Fidelity", "load_fidelity"]
 

@@ -18,7 +18,6 @@ import contextlib
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,9 +37,10 @@ from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.loading import TINY_RANDOM, load_pretrained, resolve_source
 from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.traces.synth import Phase, customer_service_day
-from blocktune.tuner.core.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_POLICY
-from blocktune.tuner.core.policy import policy_path
-from blocktune.tuner.serving.demo_chat import chat_messages
+from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_POLICY
+from blocktune.tuner.config.policy import policy_path
+from blocktune.tuner.demo.demo_chat import chat_messages
+from blocktune.tuner.operations import NotReady, free_port, wait_until_ready
 
 __all__ = ["ClosedLoopReport", "demo_policy", "demo_workload", "run_closed_loop"]
 
@@ -102,12 +102,6 @@ def demo_policy(worker_url: str, interval_s: float, window: dict | None = None) 
     return policy
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _process(args: list[str], env: dict, log_path: Path) -> Iterator[subprocess.Popen]:
     with open(log_path, "w") as log:
@@ -125,15 +119,10 @@ def _process(args: list[str], env: dict, log_path: Path) -> Iterator[subprocess.
 
 
 def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited early; see {log_path}:\n{log_path.read_text()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not become healthy within {timeout_s:.0f} s; see {log_path}")
+    try:
+        wait_until_ready(url, process, timeout_s=timeout_s)
+    except NotReady as error:
+        raise RuntimeError(f"{error}; see {log_path}:\n{log_path.read_text()}") from None
 
 
 @dataclass
@@ -254,25 +243,32 @@ class _Services:
     sidecar_args: list[str]
 
 
-def _services(folder: Path, model: str, seed: int, kv_bytes: str, interval_s: float) -> _Services:
+def _services(
+    folder: Path, model: str, seed: int, kv_bytes: str | None, interval_s: float
+) -> _Services:
     token = secrets.token_urlsafe(24)
     # One intra-op thread per process: three processes share a small machine, often with
     # other work, and a second thread waiting for a core slows every matmul several-fold
     # (42x576x1536 in fp32: 5.5 ms with two threads, 0.9 ms with one, on a loaded 2-core CPU).
     env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    worker_url = f"http://127.0.0.1:{_free_port()}"
-    sidecar_url = f"http://127.0.0.1:{_free_port()}"
+    worker_url = f"http://127.0.0.1:{free_port()}"
+    sidecar_url = f"http://127.0.0.1:{free_port()}"
     cli = [sys.executable, "-m", "blocktune.tuner.cli"]
     policy = folder / "policy.yaml"
     # A real model's answers are shorter and slower to come: a smaller window follows the
     # shift with fewer requests.
     window = None if model == TINY_RANDOM else {"capacity": 30, "min_samples": 15}
     policy.write_text(yaml.safe_dump(demo_policy(worker_url, interval_s, window)))
+    # The worker reads its pool, starting size, candidates and token variable from the
+    # sidecar's policy; `kv_bytes` overrides the pool where the demo's model is not the one
+    # the policy prices.
     worker_args = [
         *cli, "worker", "--model", model, "--port", worker_url.rsplit(":", 1)[1],
-        "--seed", str(seed), "--block-size", str(DEFAULT_BLOCK_SIZE), "--kv-bytes", kv_bytes,
-        "--token-env", TOKEN_ENV, "--sidecar", sidecar_url, "--sidecar-token-env", TOKEN_ENV,
+        "--seed", str(seed), "--policy", str(policy),
+        "--sidecar", sidecar_url, "--sidecar-token-env", TOKEN_ENV,
     ]  # fmt: skip
+    if kv_bytes is not None:
+        worker_args += ["--kv-bytes", kv_bytes]
     sidecar_args = [
         *cli, "serve", "--policy", str(policy), "--port", sidecar_url.rsplit(":", 1)[1],
         "--state-file", str(folder / "sidecar-state.json"),
@@ -287,11 +283,13 @@ def run_closed_loop(
     interval_s: float = 4.0,
     rate_per_s: float = 2.0,
     seed: int = 0,
-    kv_bytes: str = "64MiB",
+    kv_bytes: str | None = None,
     restart_sidecar_at_s: float | None = None,
     out=print,
 ) -> ClosedLoopReport:
     """Run the demo; returns its report (`report.ok` is the verification's verdict).
+
+    The worker's KV pool is the demo policy's `kv_budget` unless `kv_bytes` overrides it.
 
     With `restart_sidecar_at_s`, the sidecar is stopped (SIGTERM) at that time and
     started again on the same state file while traffic continues.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blocktune.tuner.core.calibration import FitResiduals, StepCoefficients
+from blocktune.tuner.config.calibration import FitResiduals, StepCoefficients
 
 __all__ = ["TimedStep", "fit_steps", "predict_step_s"]
 

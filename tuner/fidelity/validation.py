@@ -2,7 +2,7 @@
 
 For every block size B, `validate` serves the workload on the live engine
 (`tuner.replay.live`, a virtual clock advanced by each step's measured time)
-`runs` times, and once on the simulator (`tuner.core.simulator`) with the same
+`runs` times, and once on the simulator (`tuner.sim.simulator`) with the same
 pool: the policy's KV budget in whole blocks of B, for the live model's shape
 (the policy's `model` section is replaced by it), priced by the calibration.
 The live steps are timed with the clock of the calibration's engine section.
@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from blocktune.tuner.core.calibration import Calibration
-from blocktune.tuner.core.policy import Policy
-from blocktune.tuner.core.simulator import simulate
-from blocktune.tuner.core.step_cost import StepCostModel
-from blocktune.tuner.core.workload import Workload
-from blocktune.tuner.replay.live import serve_live
-from blocktune.tuner.replay.served_metrics import HIGHER_IS_BETTER, METRICS, ServedMetrics
+from blocktune.tuner.config.calibration import Calibration
+from blocktune.tuner.config.policy import Policy
+from blocktune.tuner.fidelity.live import serve_live
+from blocktune.tuner.fidelity.served_metrics import HIGHER_IS_BETTER, METRICS, ServedMetrics
+from blocktune.tuner.sim.simulator import simulate
+from blocktune.tuner.sim.step_cost import StepCostModel
+from blocktune.tuner.sim.workload import Workload
 
 if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
@@ -142,7 +142,7 @@ def validate(
     `step_s` replaces both sides' step times by a constant (a deterministic comparison
     of their scheduling). Raises `CalibrationError` for a calibration that cannot price
     the model or a block size."""
-    from blocktune.tuner.core.engine_measure import STEP_CLOCKS, check_clock, model_shape
+    from blocktune.tuner.measure.engine_measure import STEP_CLOCKS, check_clock, model_shape
 
     if runs < 1 or rank_by not in METRICS:
         raise ValueError(f"need runs >= 1 and rank_by among {METRICS}, got {runs}, {rank_by!r}")

@@ -13,39 +13,28 @@ Its prompt is seeded random token ids of its length, except that the tokens
 covered by its prefix hashes (`Workload.chains`) come from those hashes, so two
 requests that share hashes share tokens and the engine's prefix cache reuses
 what the simulator reuses.
+
+The result is the simulator's own record, `Run`: the engine's pool use is
+integrated over the steps as the simulator integrates it (slots held and used
+per step, KV bytes held over time), and a live run makes no swaps.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from blocktune.traces.schema import PREFIX_BLOCK_TOKENS
-from blocktune.tuner.core.workload import Workload
+from blocktune.tuner.sim.simulator import Run
+from blocktune.tuner.sim.workload import Workload
 
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine
 
-__all__ = ["LiveRun", "prompt_ids", "serve_live"]
-
-
-@dataclass(frozen=True)
-class LiveRun:
-    """What the engine did on a workload: per-request times (s of virtual time, per
-    workload row) and counters. `busy_s` sums the step times."""
-
-    block_size: int
-    first_token_s: np.ndarray
-    finish_s: np.ndarray
-    generated: np.ndarray
-    steps: int
-    preemptions: int
-    peak_blocks: int
-    busy_s: float
+__all__ = ["prompt_ids", "serve_live"]
 
 
 def prompt_ids(workload: Workload, row: int, vocab_size: int, seed: int) -> list[int]:
@@ -68,7 +57,7 @@ def serve_live(
     step_s: float | None = None,
     timer: Callable[[], float] = time.perf_counter,
     seed: int = 0,
-) -> LiveRun:
+) -> Run:
     """Serve every request of `workload` on `engine` (see the module docstring)."""
     from blocktune.runtime.engine import SamplingParams
 
@@ -77,8 +66,9 @@ def serve_live(
     generated = np.zeros(n, dtype=np.int64)
     vocab = engine.model.config.vocab_size
     rows: dict[int, int] = {}
-    clock = busy = 0.0
-    arrived = steps = 0
+    clock = busy = kv_byte_s = 0.0
+    arrived = steps = allocated_slot_steps = used_slot_steps = 0
+    slot_bytes = engine.kv.nbytes // engine.kv.num_slots
     while arrived < n or engine.has_unfinished():
         while arrived < n and arrivals[arrived] <= clock:
             outputs = int(workload.output_tokens[arrived])
@@ -94,6 +84,11 @@ def serve_live(
         clock += elapsed
         busy += elapsed
         steps += 1
+        stats = engine.stats()
+        held = int(stats["blocks_used"]) * engine.block_size
+        allocated_slot_steps += held
+        used_slot_steps += held - int(stats["padding_slots"])
+        kv_byte_s += held * slot_bytes * elapsed
         for output in outputs:
             row = rows[output.request_id]
             if np.isnan(first[row]):
@@ -101,13 +96,20 @@ def serve_live(
             if output.finished:
                 finish[row] = clock
                 generated[row] = len(output.token_ids)
-    return LiveRun(
+    return Run(
         block_size=engine.block_size,
         first_token_s=first,
         finish_s=finish,
         generated=generated,
         steps=steps,
         preemptions=engine.preemptions,
+        swaps=0,
+        swap_pause_s=0.0,
+        peak_kv_bytes=engine.peak_blocks_used * engine.block_size * slot_bytes,
         peak_blocks=engine.peak_blocks_used,
+        kv_byte_s=kv_byte_s,
+        allocated_slot_steps=allocated_slot_steps,
+        used_slot_steps=used_slot_steps,
         busy_s=busy,
+        switches=[],
     )

@@ -52,8 +52,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from blocktune.tuner.core.calibration import Calibration, KernelCoefficients
-from blocktune.tuner.core.policy import Policy, nearest_power_of_two
+from blocktune.tuner.config.calibration import Calibration, KernelCoefficients
+from blocktune.tuner.config.policy import Policy, nearest_power_of_two
 
 __all__ = [
     "CandidateCost",

@@ -21,7 +21,7 @@ provenance and the fit's residuals. Where it is present the simulator prices
 steps with it instead of deriving them from the kernel coefficients.
 
 `default_calibration()` prefers the newest measured file bundled in
-``tuner/core/data`` and falls back to the analytic model there.
+``tuner/config/data`` and falls back to the analytic model there.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from blocktune.tuner.core.config_files import ConfigError, load_yaml_model
-from blocktune.tuner.core.policy import DTYPE_BYTES, ModelShape, Policy
+from blocktune.tuner.config.config_files import ConfigError, load_yaml_model
+from blocktune.tuner.config.policy import KVShape, ModelShape, Policy
 
 __all__ = [
     "ANALYTIC_FILE",
@@ -48,7 +48,6 @@ __all__ = [
     "StepCoefficients",
     "calibration_for",
     "KernelCoefficients",
-    "KernelShape",
     "Provenance",
     "analytic_calibration",
     "bundled_files",
@@ -113,18 +112,6 @@ class Provenance(_Frozen):
         if self.kind == "analytic" and not self.sources:
             raise ValueError("an analytic calibration must cite its sources")
         return self
-
-
-class KernelShape(_Frozen):
-    """The K/V shape the kernel coefficients were obtained for."""
-
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    dtype: Literal["float32", "float16", "bfloat16", "float8"]
-
-    @property
-    def kv_bytes_per_token_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
 
 
 class KernelCoefficients(_Frozen):
@@ -214,7 +201,7 @@ class Calibration(_Frozen):
     """Measured or analytic costs per block size, with provenance."""
 
     provenance: Provenance
-    kernel_shape: KernelShape
+    kernel_shape: KVShape
     memory_bandwidth_bytes_per_s: float = Field(gt=0)
     compute_flops_per_s: float = Field(gt=0)
     copy_bandwidth_bytes_per_s: float = Field(gt=0)
@@ -295,7 +282,7 @@ def load_calibration(path: Path | str) -> Calibration:
 
 
 def _data_folder() -> Path:
-    return Path(str(resources.files("blocktune.tuner.core") / "data"))
+    return Path(str(resources.files("blocktune.tuner.config") / "data"))
 
 
 def bundled_files(folder: Path | None = None) -> list[Path]:

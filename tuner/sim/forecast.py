@@ -40,12 +40,12 @@ from typing import Any
 
 import numpy as np
 
-from blocktune.tuner.core.calibration import Calibration
-from blocktune.tuner.core.policy import Policy, SloSettings
-from blocktune.tuner.core.simulator import Run, simulate
-from blocktune.tuner.core.step_cost import StepCostModel
-from blocktune.tuner.core.window import WindowSnapshot
-from blocktune.tuner.core.workload import Workload
+from blocktune.tuner.config.calibration import Calibration
+from blocktune.tuner.config.policy import Policy, SloSettings
+from blocktune.tuner.sim.simulator import Run, simulate
+from blocktune.tuner.sim.step_cost import StepCostModel
+from blocktune.tuner.sim.window import WindowSnapshot
+from blocktune.tuner.sim.workload import Workload
 
 __all__ = [
     "CAPACITY_RANGE",
@@ -74,7 +74,13 @@ docstring)."""
 
 @dataclass(frozen=True)
 class ServingMetrics:
-    """One simulated run as a user sees it (seconds; KV bytes across all layers)."""
+    """One served run as a user sees it (seconds; KV bytes across all layers).
+
+    TTFT runs from arrival to the first token, TPOT is the mean time between a
+    request's later tokens, e2e from arrival to the last token; `tokens_per_s`
+    counts generated tokens over the span from the first arrival to the last
+    finish.
+    """
 
     tokens_per_s: float
     ttft_p50_s: float

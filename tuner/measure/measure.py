@@ -26,13 +26,12 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-from blocktune.tuner.core.calibration import (
+from blocktune.tuner.config.calibration import (
     Calibration,
     KernelCoefficients,
-    KernelShape,
     Provenance,
 )
-from blocktune.tuner.core.policy import DTYPE_BYTES
+from blocktune.tuner.config.policy import DTYPE_BYTES, KVShape
 
 __all__ = ["Grid", "default_grid", "measure_calibration", "measure_host", "measured_provenance"]
 
@@ -167,7 +166,7 @@ def measure_host(block_size: int, *, requests: int, concurrency: int, seed: int 
     append one token per step, free when done.
     """
     from blocktune.runtime.block_manager import BlockManager
-    from blocktune.tuner.core.block_replay import drive_block_manager
+    from blocktune.tuner.measure.block_replay import drive_block_manager
 
     rng = np.random.default_rng(seed)
     prompts = np.exp(rng.uniform(np.log(16), np.log(2048), requests)).astype(int)
@@ -282,7 +281,7 @@ def measure_calibration(
             "measured by `blocktune calibrate`; per_block_s is fitted jointly across "
             "block sizes, launch_s and per_token_s per block size",
         ),
-        kernel_shape=KernelShape(
+        kernel_shape=KVShape(
             num_kv_heads=grid.num_kv_heads, head_dim=grid.head_dim, dtype=grid.dtype
         ),
         memory_bandwidth_bytes_per_s=read,

@@ -56,8 +56,8 @@ from pydantic import (
 )
 
 from blocktune.kernels import is_power_of_two
-from blocktune.tuner.core.config_files import ConfigError, load_yaml_model
-from blocktune.tuner.core.defaults import (
+from blocktune.tuner.config.config_files import ConfigError, load_yaml_model
+from blocktune.tuner.config.defaults import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CANDIDATES,
     DEFAULT_POLICY,
@@ -71,7 +71,9 @@ __all__ = [
     "AuthSettings",
     "BatchSettings",
     "BlockSize",
+    "DTypeName",
     "JsonlLogSettings",
+    "KVShape",
     "ModelShape",
     "Policy",
     "Section",
@@ -176,16 +178,34 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelShape(Section):
-    """The served model: attention shape, KV dtype and weight count."""
+DTypeName = Literal["float32", "float16", "bfloat16", "float8"]
+"""The dtypes a K/V cache is priced in (the keys of `DTYPE_BYTES`)."""
 
-    num_layers: int = Field(gt=0, le=4096)
-    num_heads: int = Field(gt=0, le=4096, description="query heads")
+
+class KVShape(Section):
+    """The K/V of one token in one layer: heads, head size and dtype."""
+
     num_kv_heads: int = Field(
         gt=0, le=4096, description="K/V heads (fewer than num_heads with GQA)"
     )
     head_dim: int = Field(gt=0, le=4096)
-    dtype: Literal["float32", "float16", "bfloat16", "float8"]
+    dtype: DTypeName
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_bytes_per_token_layer(self) -> int:
+        """Bytes of K and V of one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+class ModelShape(KVShape):
+    """The served model: attention shape, KV dtype and weight count."""
+
+    num_layers: int = Field(gt=0, le=4096)
+    num_heads: int = Field(gt=0, le=4096, description="query heads")
     num_params: float = Field(
         gt=0, le=1e15, description="weights, for the per-step weight read time"
     )
@@ -198,15 +218,6 @@ class ModelShape(Section):
                 f"num_kv_heads ({self.num_kv_heads})"
             )
         return self
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def kv_bytes_per_token_layer(self) -> int:
-        """Bytes of K and V of one token in one layer."""
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -7,27 +7,18 @@ without loading the simulator.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 if TYPE_CHECKING:
-    from blocktune.tuner.core.workload import Workload
+    from blocktune.tuner.sim.simulator import Run
+    from blocktune.tuner.sim.workload import Workload
 
-__all__ = ["HIGHER_IS_BETTER", "METRICS", "ServedMetrics", "ServedRun"]
+__all__ = ["HIGHER_IS_BETTER", "METRICS", "ServedMetrics"]
 
 HIGHER_IS_BETTER = ("tokens_per_s",)
 """Metrics where more is better; for every other one less is."""
-
-
-class ServedRun(Protocol):
-    """What a served workload left behind: a simulated `Run` or a `LiveRun`."""
-
-    first_token_s: np.ndarray
-    finish_s: np.ndarray
-    generated: np.ndarray
-    peak_blocks: int
-    preemptions: int
 
 
 @dataclass(frozen=True)
@@ -43,9 +34,10 @@ class ServedMetrics:
     preemptions: float
 
     @classmethod
-    def of(cls, workload: Workload, run: ServedRun) -> ServedMetrics:
-        """The metrics of `run` on `workload` (times as `ServingMetrics.of_times` computes)."""
-        from blocktune.tuner.core.forecast import ServingMetrics
+    def of(cls, workload: Workload, run: Run) -> ServedMetrics:
+        """The metrics of `run` (simulated or live) on `workload`, its times as
+        `ServingMetrics.of_times` computes them."""
+        from blocktune.tuner.sim.forecast import ServingMetrics
 
         times = ServingMetrics.of_times(workload, run.first_token_s, run.finish_s, run.generated)
         return cls(

@@ -56,9 +56,9 @@ from typing import Protocol
 
 import numpy as np
 
-from blocktune.tuner.core.calibration import prefill_pairs
-from blocktune.tuner.core.step_cost import StepCostModel
-from blocktune.tuner.core.workload import Workload
+from blocktune.tuner.config.calibration import prefill_pairs
+from blocktune.tuner.sim.step_cost import StepCostModel
+from blocktune.tuner.sim.workload import Workload
 
 __all__ = ["Controller", "Run", "simulate"]
 

@@ -1,0 +1,17 @@
+"""The engine's defaults, each named once; the tuner re-exports them (`tuner.config.defaults`)."""
+
+from __future__ import annotations
+
+__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_CANDIDATES", "DEFAULT_KV_BYTES", "ENGINE_DTYPES"]
+
+DEFAULT_BLOCK_SIZE = 16
+"""vLLM's default block size: where a deployment starts and what replays compare against."""
+
+DEFAULT_CANDIDATES = (8, 16, 32, 64, 128)
+"""The block sizes a swap may choose (and a policy chooses among) when none are named."""
+
+DEFAULT_KV_BYTES = 64 * 2**20
+"""The worker's KV pool when neither a flag nor a policy sizes it."""
+
+ENGINE_DTYPES = ("float32", "float16", "bfloat16")
+"""The weight and KV dtypes the engine runs in, by torch's names."""

@@ -1,0 +1,1 @@
+"""The demo: the closed loop of worker, sidecar and shifting traffic, and its chat prompts."""
