@@ -1,0 +1,154 @@
+"""`blocktune calibrate --engine` writes an engine section that the simulator prices steps with,
+and `blocktune replay` and `blocktune validate` read it."""
+
+import json
+
+import pytest
+import yaml
+
+from blocktune.tuner.cli import main
+from blocktune.tuner.config.calibration import (
+    CalibrationError,
+    analytic_calibration,
+    load_calibration,
+)
+from blocktune.tuner.config.config_files import ConfigError
+from blocktune.tuner.config.policy import load_policy
+from blocktune.tuner.sim.step_cost import StepCostModel
+
+TINY_POLICY = """\
+deployment: tiny-cpu
+model: {num_layers: 2, num_heads: 4, num_kv_heads: 2, head_dim: 16, dtype: float32,
+        num_params: 1.0e+5}
+kv_budget: 128KiB
+candidates: [8, 16]
+calibration: engine.yaml
+"""
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """A quick engine calibration of tiny-random at block sizes 8 and 16, and a policy for it."""
+    folder = tmp_path_factory.mktemp("engine-calibration")
+    out = folder / "engine.yaml"
+    args = ["calibrate", "--engine", "--quick", "--device", "cpu", "--block-sizes", "8", "16"]
+    assert main([*args, "--threads", "1", "--clock", "cpu", "--out", str(out)]) == 0
+    (folder / "tiny.yaml").write_text(TINY_POLICY, encoding="utf-8")
+    return out, folder / "tiny.yaml"
+
+
+def test_the_engine_section_records_model_fit_and_provenance(measured):
+    path, _ = measured
+    calibration = load_calibration(path)
+    engine = calibration.engine
+    assert calibration.block_sizes == (8, 16) and sorted(engine.steps) == [8, 16]
+    assert engine.model.name == "tiny-random" and engine.model.num_layers == 2
+    assert (engine.threads, engine.clock) == (1, "cpu")
+    assert engine.provenance.kind == "measured" and engine.provenance.torch
+    assert engine.provenance.grid["prefill_chunks"] == [16, 64]
+    assert "step_s = fixed_s" in engine.provenance.notes
+    # The kernel part is measured for the model's own attention shape.
+    assert (calibration.kernel_shape.num_kv_heads, calibration.kernel_shape.head_dim) == (2, 16)
+    # The quick grid: 2 x 2 decode batches, one of them also half at the shortest context,
+    # and 2 prefill chunks alone and beside a decode batch: 9 timed points.
+    for block_size, fit in engine.residuals.items():
+        assert fit.points == 9 and 0 <= fit.rms_relative <= fit.max_relative, block_size
+        assert engine.steps[block_size].fixed_s > 0
+    assert calibration.to_yaml() == path.read_text()  # the file reads back unchanged
+
+
+def test_the_simulator_prices_steps_with_the_measured_coefficients(measured):
+    path, policy_path = measured
+    calibration = load_calibration(path)
+    server = StepCostModel(load_policy(policy_path), calibration)
+    for block_size in (8, 16):
+        assert dict(calibration.engine.steps[block_size]) == vars(server.step_cost(block_size))
+    # A kernel-only calibration still derives them from the kernel coefficients.
+    derived = StepCostModel(load_policy(policy_path), analytic_calibration()).step_cost(8)
+    assert derived.fixed_s != server.step_cost(8).fixed_s
+    other = load_policy(policy_path).model_copy(
+        update={"model": load_policy(policy_path).model.model_copy(update={"num_layers": 4})}
+    )
+    with pytest.raises(CalibrationError, match=r"num_layers 4 \(measured: 2\)"):
+        StepCostModel(other, calibration)
+
+
+def test_engine_steps_may_cover_fewer_block_sizes_than_the_kernel_but_no_others(measured, tmp_path):
+    path, policy_path = measured
+    data = yaml.safe_load(path.read_text())
+    del data["engine"]["steps"][16], data["engine"]["residuals"][16]
+    (tmp_path / "fewer.yaml").write_text(yaml.safe_dump(data))
+    fewer = load_calibration(tmp_path / "fewer.yaml")
+    assert fewer.block_sizes == (8,)
+    with pytest.raises(CalibrationError, match=r"no costs for block sizes \[16\]"):
+        StepCostModel(load_policy(policy_path), fewer).step_cost(16)
+    data["engine"]["steps"][512] = data["engine"]["steps"][8]
+    data["engine"]["residuals"][512] = data["engine"]["residuals"][8]
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"engine.steps covers block sizes \[8, 512\]"):
+        load_calibration(tmp_path / "other.yaml")
+
+
+@pytest.mark.slow
+def test_replay_uses_the_engine_calibration_from_the_policy_or_the_flag(measured, capsys):
+    path, policy_path = measured
+    day = ["--duration", "3600", "--rate-scale", "0.002"]
+    for extra in ([], ["--calibration", str(path)]):
+        assert main(["replay", "--policy", str(policy_path), *day, *extra]) == 0
+        out = capsys.readouterr().out
+        assert "engine steps measured with tiny-random" in out and "static-16" in out
+
+
+@pytest.mark.slow
+def test_validate_prints_and_writes_the_comparison(measured, tmp_path, capsys):
+    path, policy_path = measured
+    out = tmp_path / "validation.json"
+    args = ["validate", "--policy", str(policy_path), "--calibration", str(path)]
+    args += ["--requests", "12", "--duration", "120", "--rate-scale", "0.05", "--runs", "2"]
+    assert main([*args, "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "predicted" in table and "measured" in table and "ranking by tok/s" in table
+    report = json.loads(out.read_text())
+    assert isinstance(report["rank_agreement"], bool)
+    assert [r["block_size"] for r in report["results"]] == [8, 16]
+    for result in report["results"]:
+        assert len(result["measured_runs"]) == 2
+        for side in ("predicted", "measured"):
+            assert set(result[side]) >= {
+                "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+                "peak_kv_blocks",
+            }  # fmt: skip
+            assert result[side]["tokens_per_s"] > 0 and result[side]["peak_kv_blocks"] >= 1
+        predicted, measured_mean = result["predicted"], result["measured"]
+        runs = [r["tpot_p50_s"] for r in result["measured_runs"]]
+        assert measured_mean["tpot_p50_s"] == pytest.approx(sum(runs) / 2)
+        assert result["relative_error"]["tpot_p50_s"] == pytest.approx(
+            predicted["tpot_p50_s"] / measured_mean["tpot_p50_s"] - 1
+        )
+    # A replay priced by the same calibration carries the check in its report...
+    replay = ["replay", "--policy", str(policy_path), "--duration", "3600", "--rate-scale", "0.002"]
+    replay += ["--validation", str(out), "--json", str(tmp_path / "report.json")]
+    assert main([*replay, "--calibration", str(path)]) == 0
+    printed = capsys.readouterr().out
+    assert "fidelity (blocktune validate on synthetic customer-service day" in printed
+    fidelity = json.loads((tmp_path / "report.json").read_text())["fidelity"]
+    assert fidelity["median_abs_error"] == report["median_abs_error"]
+    assert fidelity["rank_agreement"] == report["rank_agreement"]
+    assert fidelity["relative_error"]["16"] == report["results"][1]["relative_error"]
+    # ... and a replay priced by another says the check does not describe it.
+    analytic = tmp_path / "analytic.yaml"
+    analytic.write_text(analytic_calibration().to_yaml())
+    assert main([*replay, "--calibration", str(analytic)]) == 0
+    warnings = json.loads((tmp_path / "report.json").read_text())["warnings"]
+    assert any(
+        w.startswith("the fidelity check was made with another calibration") for w in warnings
+    )
+
+
+def test_validate_needs_an_engine_calibration(measured, tmp_path, capsys):
+    _, policy_path = measured
+    kernel_only = tmp_path / "kernel.yaml"
+    kernel_only.write_text(analytic_calibration().to_yaml())
+    args = ["validate", "--policy", str(policy_path), "--calibration", str(kernel_only)]
+    assert main(args) == 2
+    assert "has no engine section" in capsys.readouterr().err

@@ -1,0 +1,261 @@
+"""The serving simulator: conservation, pool limits, preemption, step times, prefix reuse,
+block-size switches, and padding/peak against a direct BlockManager replay."""
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from blocktune.traces.synth import customer_service_day
+from blocktune.tuner.config.calibration import StepCoefficients, analytic_calibration
+from blocktune.tuner.config.policy import Policy, load_policy
+from blocktune.tuner.measure.block_replay import replay_block_manager
+from blocktune.tuner.replay.controllers import OracleController
+from blocktune.tuner.sim.cost_model import CostModel
+from blocktune.tuner.sim.simulator import simulate
+from blocktune.tuner.sim.step_cost import StepCostModel
+from blocktune.tuner.sim.workload import Workload
+
+POLICIES = Path(__file__).resolve().parents[3] / "policies"
+POLICY = load_policy(POLICIES / "customer_service_llama8b.yaml")
+CALIBRATION = analytic_calibration()
+SLOT = POLICY.model.kv_bytes_per_token  # 128 KiB
+
+
+def with_budget(slots: int, **changes) -> Policy:
+    """The customer-service policy with a KV budget of `slots` token slots."""
+    return Policy.model_validate({**POLICY.model_dump(), "kv_budget": slots * SLOT, **changes})
+
+
+def busy_day(seed: int = 1) -> pd.DataFrame:
+    """About 1900 requests in 10 minutes (3 per second), prefixes included."""
+    return customer_service_day(seed, duration_s=600.0, rate_scale=0.012)
+
+
+def check_conservation(workload: Workload, run) -> None:
+    """Every request finished with all its tokens, in order of time."""
+    assert np.array_equal(run.generated, workload.output_tokens)
+    assert not np.isnan(run.finish_s).any()
+    assert (run.first_token_s > workload.arrival_s).all()
+    assert (run.finish_s >= run.first_token_s).all()
+    assert run.used_slot_steps <= run.allocated_slot_steps
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_ample_pool_conserves_tokens_and_never_preempts(block_size):
+    workload = Workload.from_frame(busy_day())
+    server = StepCostModel(with_budget(1 << 20), CALIBRATION)
+    run = simulate(workload, server, block_size)
+    check_conservation(workload, run)
+    assert run.preemptions == 0
+    assert run.steps >= workload.output_tokens.max()
+    assert 0 < run.peak_blocks <= server.num_blocks(block_size)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+def test_tiny_pool_preempts_without_over_allocation(block_size):
+    workload = Workload.from_frame(busy_day())
+    policy = with_budget(1024)  # 128 MiB; the longest request (520 tokens) still fits alone
+    server = StepCostModel(policy, CALIBRATION)
+    run = simulate(workload, server, block_size)
+    check_conservation(workload, run)
+    assert run.preemptions > 0
+    assert run.peak_blocks <= server.num_blocks(block_size)
+    assert run.peak_kv_bytes <= int(policy.kv_budget)
+    ample = simulate(workload, StepCostModel(with_budget(1 << 20), CALIBRATION), block_size)
+    assert run.busy_s > ample.busy_s  # smaller batches and recomputed prompts cost time
+    assert run.peak_kv_bytes < ample.peak_kv_bytes
+
+
+def test_a_request_larger_than_the_pool_is_refused():
+    frame = pd.DataFrame({"arrival_s": [0.0], "prompt_tokens": [900], "output_tokens": [200]})
+    with pytest.raises(ValueError, match="1100 tokens does not fit the pool of 64 blocks"):
+        simulate(Workload.from_frame(frame), StepCostModel(with_budget(1024), CALIBRATION), 16)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
+def test_padding_and_peak_equal_a_direct_block_manager_replay(block_size):
+    """Same steps as `replay_block_manager` (fixed step time, a pool nothing waits for): the
+    same steps, peak blocks and allocated slot-steps, hence the same padding ratio, which is
+    also the cost model's padding ratio of the whole trace."""
+    day = busy_day(seed=3).drop(columns=["prefix_hashes", "prefix_group"])
+    workload = Workload.from_frame(day)
+    policy = with_budget(1 << 22)
+    run = simulate(workload, StepCostModel(policy, CALIBRATION, fixed_step_s=0.05), block_size)
+    direct = replay_block_manager(day, block_size, step_s=0.05)
+    assert run.steps == direct.steps
+    assert run.peak_blocks == direct.peak_blocks
+    assert run.allocated_slot_steps == direct.allocated_slot_steps
+    assert run.padding_ratio == pytest.approx(direct.padding_ratio, abs=1e-12)
+    (cost,) = CostModel(policy, CALIBRATION).costs(
+        workload.prompt_tokens, workload.output_tokens, block_sizes=(block_size,)
+    )
+    assert run.padding_ratio == pytest.approx(cost.padding_ratio, abs=1e-12)
+
+
+def test_step_times_follow_the_calibration():
+    """One request alone: its first step prefills the prompt, then one token per step."""
+    prompt, output, size = 100, 5, 16
+    frame = pd.DataFrame({"arrival_s": [0.0], "prompt_tokens": [prompt], "output_tokens": [output]})
+    server = StepCostModel(POLICY, CALIBRATION)
+    run = simulate(Workload.from_frame(frame), server, size)
+    kernel = CostModel(POLICY, CALIBRATION).kernel(size)
+    layers = POLICY.model.num_layers
+    weights = POLICY.model.weight_bytes / CALIBRATION.memory_bandwidth_bytes_per_s
+    prefill = prompt * 2 * POLICY.model.num_params / CALIBRATION.compute_flops_per_s
+    steps = [
+        weights
+        + layers * (kernel.launch_s + kernel.per_block_s * -(-held // size))
+        + layers * kernel.per_token_s * held
+        + CALIBRATION.host_s_per_token[size]
+        for held in range(prompt + 1, prompt + output + 1)
+    ]
+    assert run.first_token_s[0] == pytest.approx(prefill + steps[0], rel=1e-12)
+    assert run.finish_s[0] == pytest.approx(prefill + sum(steps), rel=1e-12)
+    assert run.busy_s == pytest.approx(run.finish_s[0], rel=1e-12)
+
+
+class PaddedPairs(StepCostModel):
+    """Steps of 10 ms plus a padded-batch term and a prompt-pair term, nothing else."""
+
+    def step_cost(self, block_size: int) -> StepCoefficients:
+        return StepCoefficients(
+            fixed_s=0.01,
+            per_block_s=0.0,
+            per_token_s=0.0,
+            per_sequence_s=0.0,
+            prefill_s_per_token=0.0,
+            per_padded_token_s=1e-5,
+            prefill_s_per_pair=1e-8,
+        )
+
+
+def test_a_padded_batch_costs_its_longest_context_and_a_prompt_its_pairs():
+    """Two requests admitted together (prompts 100 and 20): the first step computes both
+    prompts (100 x 100 + 20 x 20 pairs) and every step reads the batch padded to the longer
+    one's context; once it leaves, the short one pays for its own."""
+    frame = pd.DataFrame(
+        {"arrival_s": [0.0, 0.0], "prompt_tokens": [100, 20], "output_tokens": [3, 5]}
+    )
+    run = simulate(Workload.from_frame(frame), PaddedPairs(POLICY, CALIBRATION), 16)
+    steps = [0.01 + 2 * ctx * 1e-5 for ctx in (101, 102, 103)]
+    steps += [0.01 + ctx * 1e-5 for ctx in (24, 25)]
+    steps[0] += (100 * 100 + 20 * 20) * 1e-8
+    assert run.first_token_s.tolist() == pytest.approx([steps[0]] * 2, rel=1e-12)
+    assert run.finish_s.tolist() == pytest.approx([sum(steps[:3]), sum(steps)], rel=1e-12)
+
+
+def prefix_requests(arrivals, prompts, outputs, hashes) -> Workload:
+    return Workload.from_frame(
+        pd.DataFrame(
+            {
+                "arrival_s": arrivals,
+                "prompt_tokens": prompts,
+                "output_tokens": outputs,
+                "prefix_hashes": pd.Series(hashes, dtype=object),
+            }
+        )
+    )
+
+
+def test_a_shared_prefix_is_held_once():
+    """Two 300-token prompts with one 256-token prefix hash at B=16: the second request
+    takes the first's 16 prefix blocks, so together they hold 19 + 3 blocks, not 38."""
+    workload = prefix_requests([0.0, 0.01], [300, 300], [2, 2], [[7], [7]])
+    server = StepCostModel(with_budget(4096), CALIBRATION, fixed_step_s=0.05)
+    assert simulate(workload, server, 16).peak_blocks == 22
+    unshared = prefix_requests([0.0, 0.01], [300, 300], [2, 2], [[7], [8]])
+    assert simulate(unshared, server, 16).peak_blocks == 38
+
+
+def test_released_prefix_blocks_are_reused_until_evicted():
+    """A finished request's prefix blocks stay cached: a later request prefills only its
+    last 44 tokens. A 601-token request in between needs 38 of the 40 blocks and evicts the
+    least recently released: the 14 last prefix blocks (freed last to first), so only the
+    first 2 (32 tokens) are still there."""
+    size, server = 16, StepCostModel(with_budget(640), CALIBRATION)
+    cost = server.step_cost(size)
+
+    def first_step(prefilled: int) -> float:
+        return (
+            cost.fixed_s
+            + cost.per_block_s * 19
+            + cost.per_token_s * 301
+            + cost.per_sequence_s
+            + cost.prefill_s_per_token * prefilled
+        )
+
+    cached = prefix_requests([0.0, 10.0], [300, 300], [1, 1], [[7], [7]])
+    run = simulate(cached, server, size)
+    assert run.first_token_s[1] - 10.0 == pytest.approx(first_step(44), rel=1e-12)
+    evicted = prefix_requests([0.0, 5.0, 10.0], [300, 600, 300], [1, 1, 1], [[7], [], [7]])
+    run = simulate(evicted, server, size)
+    assert run.first_token_s[2] - 10.0 == pytest.approx(first_step(300 - 32), rel=1e-12)
+
+
+def test_switches_keep_conservation_and_the_pool_limit():
+    """An oracle schedule 16 -> 8 -> 64 -> 32 on a tight pool: every switch happens at its
+    interval boundary, no request loses a token and no size over-allocates."""
+    workload = Workload.from_frame(busy_day())
+    policy = with_budget(1024, interval="150s")
+    server = StepCostModel(policy, CALIBRATION)
+    schedule = np.array([16, 8, 64, 32])
+    run = simulate(workload, server, 16, controller=OracleController(150.0, schedule))
+    check_conservation(workload, run)
+    assert [(b, size) for b, _, size in run.switches] == [(1, 8), (2, 64), (3, 32)]
+    assert all(150.0 * b <= t < 150.0 * b + 1 for b, t, _ in run.switches)
+    assert run.swaps == 3 and run.swap_pause_s == 0.0
+    assert run.peak_kv_bytes <= int(policy.kv_budget)
+
+
+def test_swap_pause_is_the_plans_copy_plus_the_engines_pause():
+    """A swap costs the policy's pause plus the planned bytes at the copy bandwidth; for vLLM
+    the pause is a restart."""
+    policy = with_budget(4096, swap_pause="20ms")
+    server = StepCostModel(policy, CALIBRATION)
+    assert server.swap_pause_s() == pytest.approx(0.02)
+    moved = 1000 * SLOT
+    expected = 0.02 + moved / CALIBRATION.copy_bandwidth_bytes_per_s
+    assert server.swap_pause_s(moved) == pytest.approx(expected)
+    vllm = with_budget(4096, engine="vllm", candidates=[16, 32, 64], restart="45s")
+    assert StepCostModel(vllm, CALIBRATION).swap_pause_s() == pytest.approx(45.0)
+
+
+def requests_at(arrivals, prompts, outputs) -> Workload:
+    return Workload.from_frame(
+        pd.DataFrame({"arrival_s": arrivals, "prompt_tokens": prompts, "output_tokens": outputs})
+    )
+
+
+def test_the_batch_holds_at_most_max_num_seqs_requests():
+    """Ten equal requests at once with room for four: they run in waves of four."""
+    policy = with_budget(8192, batch={"max_num_seqs": 4})
+    server = StepCostModel(policy, CALIBRATION, fixed_step_s=0.01)
+    run = simulate(requests_at([0.0] * 10, [20] * 10, [5] * 10), server, 16)
+    waves = np.unique(np.round(run.first_token_s, 9))
+    assert len(waves) == 3
+    assert np.bincount(np.searchsorted(waves, np.round(run.first_token_s, 9))).tolist() == [4, 4, 2]
+    assert run.first_token_s[4] == pytest.approx(run.finish_s[0] + 0.01)
+
+
+def test_chunked_prefill_spreads_a_long_prompt_over_steps_beside_the_decodes():
+    """A 1000-token prompt with a budget of 256 tokens per step takes four steps to prefill
+    while a running request keeps decoding (255 prefill tokens beside it); without a budget it
+    makes its first token in its admission step."""
+    workload = requests_at([0.0, 0.001], [10, 1000], [50, 5])
+    whole = StepCostModel(with_budget(8192), CALIBRATION, fixed_step_s=0.01)
+    chunked = StepCostModel(
+        with_budget(8192, batch={"max_num_batched_tokens": 256}), CALIBRATION, fixed_step_s=0.01
+    )
+    at_once, spread = simulate(workload, whole, 16), simulate(workload, chunked, 16)
+    assert at_once.first_token_s[1] == pytest.approx(0.02)  # admitted in step 2
+    assert spread.first_token_s[1] == pytest.approx(0.02 + 3 * 0.01)  # 4 chunks of <= 255
+    assert spread.finish_s[0] == pytest.approx(at_once.finish_s[0])  # decodes never wait
+    check_conservation(workload, spread)
+    # Prefill time is charged per chunk: the same prompt tokens, in steps that decode anyway.
+    timed = StepCostModel(with_budget(8192, batch={"max_num_batched_tokens": 256}), CALIBRATION)
+    untimed = StepCostModel(with_budget(8192), CALIBRATION)
+    chunked_run, whole_run = simulate(workload, timed, 16), simulate(workload, untimed, 16)
+    assert chunked_run.steps == whole_run.steps
+    assert chunked_run.busy_s == pytest.approx(whole_run.busy_s, rel=1e-3)
