@@ -43,6 +43,7 @@ def _run(model, prompts, max_tokens=12, **config):
     return [o.token_ids for o in outputs], engine
 
 
+@pytest.mark.slow
 def test_greedy_tokens_match_dense_reference_at_every_block_size(model):
     prompts = _prompts(6)
     expected = [_dense_greedy(model, p, 12) for p in prompts]
@@ -51,6 +52,7 @@ def test_greedy_tokens_match_dense_reference_at_every_block_size(model):
         assert tokens == expected, f"block size {block_size}"
 
 
+@pytest.mark.slow
 def test_tiny_pool_forces_preemption_and_keeps_tokens(model):
     prompts = _prompts(8, seed=1, low=10, high=30)
     expected, _ = _run(model, prompts, max_tokens=20, block_size=8)
@@ -79,6 +81,7 @@ def test_cancelled_requests_do_not_change_survivors(model):
     assert not engine.has_unfinished()
 
 
+@pytest.mark.slow
 def test_prefix_caching_reuses_blocks_and_keeps_tokens(model):
     shared = _prompts(1, seed=3, low=40, high=40)[0]
     prompts = [shared + tail for tail in _prompts(4, seed=4, low=2, high=6)]
@@ -201,6 +204,7 @@ def test_padding_counts_each_sequences_unused_tail_even_with_shared_blocks(model
     assert engine.stats()["padding_slots"] == 7 + 6 + 5
 
 
+@pytest.mark.slow
 def test_chunked_prefill_keeps_tokens_within_the_step_budget(model, monkeypatch):
     prompts = _prompts(10, seed=9, low=30, high=120)
     expected, _ = _run(model, prompts, max_tokens=16, block_size=8, num_blocks=256)
@@ -224,6 +228,7 @@ def test_chunked_prefill_keeps_tokens_within_the_step_budget(model, monkeypatch)
     engine.blocks.check()
 
 
+@pytest.mark.slow
 def test_chunked_prefill_survives_preemption_in_a_tiny_pool(model):
     prompts = _prompts(8, seed=10, low=20, high=50)
     expected, _ = _run(model, prompts, max_tokens=20, block_size=8)

@@ -217,6 +217,7 @@ def test_tokens_are_identical_across_grows_and_shrinks(model):
     prefix=st.booleans(),
     num_blocks=st.sampled_from([12, 64]),
 )
+@pytest.mark.slow
 def test_random_workloads_with_random_swaps_keep_every_token(
     model, seed, swaps, cancel, prefix, num_blocks
 ):
@@ -251,6 +252,7 @@ def _snapshot(engine):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["copy", "table"])
 def test_a_fault_before_commit_rolls_back_and_serving_continues(model, phase):
     prompts = _prompts(5, seed=21)
@@ -310,6 +312,7 @@ def test_swap_waits_for_the_step_boundary(model):
     assert ticket.result(0).status == "done" and engine.block_size == 16
 
 
+@pytest.mark.slow
 def test_triton_backend_serves_and_swaps_with_identical_tokens(model):
     """The Triton kernels (interpreted on a CPU) give the torch backend's tokens across swaps."""
     pytest.importorskip("triton")

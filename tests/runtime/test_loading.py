@@ -73,6 +73,7 @@ def llama3(tmp_path_factory):
     return save(folder, config), folder
 
 
+@pytest.mark.slow
 def test_llama3_rope_scaling_matches_transformers(llama3):
     reference, folder = llama3
     ours = load_weights(folder)

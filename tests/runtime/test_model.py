@@ -42,6 +42,7 @@ def test_logits_match_transformers(checkpoint):
     assert (got - expected).abs().max().item() <= 1e-4
 
 
+@pytest.mark.slow
 def test_engine_greedy_tokens_match_transformers(checkpoint):
     reference, folder = checkpoint
     engine = Engine(

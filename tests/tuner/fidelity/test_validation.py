@@ -75,6 +75,7 @@ def test_the_virtual_clock_admits_requests_in_arrival_order(model):
     np.testing.assert_array_equal(run.finish_s, live.finish_s)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_engine_and_simulator_admit_and_preempt_alike_at_constant_step_times(model, seed):
     rng = np.random.default_rng(seed)

@@ -57,6 +57,7 @@ def test_the_oracle_follows_the_best_static_size_of_each_interval_on_the_goal():
     assert latency.best_schedule().tolist() == [16, 8]
 
 
+@pytest.mark.slow
 def test_goal_values_count_requests_within_the_slo(day_report):
     """At the day's light load every request meets the default SLO, so goodput is the request
     rate for every size, and the report says the block size does not matter."""
@@ -104,6 +105,7 @@ def test_interval_schedules():
     assert costs.sizes_in_force(16, [(2, 120.0, 8), (5, 300.0, 16)]).tolist() == [16, 16, 8]
 
 
+@pytest.mark.slow
 def test_adaptive_keeps_16_where_the_block_size_does_not_matter(day_report):
     """Every size serves the light day within the SLO alike, so the selector keeps 16 at
     every decision (no swap, no pause)."""
@@ -147,6 +149,7 @@ def test_a_grow_is_charged_its_pause():
     assert run.swap_pause_s == pytest.approx(run.swaps * POLICY.swap_pause.total_seconds())
 
 
+@pytest.mark.slow
 def test_the_seeds_peak_memory_claim_as_measured(day_report, capsys):
     """The source article claims -19% peak memory from adaptive sizing against a fixed 16. On the
     embedded day the peak falls in the daytime mix, where the tuner keeps 16, so the
@@ -159,6 +162,7 @@ def test_the_seeds_peak_memory_claim_as_measured(day_report, capsys):
     assert f"peak KV {change:+.1%}" in format_replay_table(day_report)
 
 
+@pytest.mark.slow
 def test_report_json_has_exactly_the_documented_keys(day_report, tmp_path):
     data = json.loads(json.dumps(report_dict(day_report), allow_nan=False))
     assert set(data) == {
