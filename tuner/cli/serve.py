@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from blocktune.tuner.cli._common import add_allowed_hosts_argument, with_allowed_hosts
+
 __all__ = ["register"]
 
 
@@ -31,7 +33,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for problem in error.problems:
             print(problem, file=sys.stderr)
         return 2
-    server = policy.server
+    server = with_allowed_hosts(policy.server, args)
     host = args.host or server.host
     port = args.port or server.port
     if args.state_file is not None:
@@ -94,4 +96,5 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="where to save and restore the window and last decision (default: the policy's)",
     )
+    add_allowed_hosts_argument(parser)
     parser.set_defaults(handler=run_serve)

@@ -6,9 +6,11 @@ import argparse
 import sys
 
 from blocktune.tuner.cli._common import (
+    add_allowed_hosts_argument,
     add_engine_arguments,
     engine_config_from_args,
     load_model_from_args,
+    with_allowed_hosts,
 )
 from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES, DEFAULT_TOKEN_ENV
 
@@ -57,6 +59,7 @@ def run_worker(args: argparse.Namespace) -> int:
     try:
         candidates, token_env = candidates_and_token_env(args)
         server = load_policy(args.policy).server if args.policy else ServerSettings()
+        server = with_allowed_hosts(server, args)
     except ConfigError as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
@@ -123,8 +126,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--policy",
         default=None,
         help="a deployment policy: its candidates and auth.token_env are the defaults here, "
-        "and its server section's read_timeout, keep_alive and max_connections apply",
+        "and its server section's read_timeout, keep_alive, max_connections and "
+        "allowed_hosts apply",
     )
+    add_allowed_hosts_argument(parser)
     parser.add_argument(
         "--candidates",
         type=int,

@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from datetime import timedelta
@@ -95,6 +96,8 @@ MAX_DURATION = timedelta(days=365)
 MAX_BLOCK_SIZE = 1 << 16
 MAX_KV_BUDGET = 1 << 50  # 1 PiB
 MAX_WINDOW_CAPACITY = 1_000_000  # rows of the length window, allocated at start
+MAX_ALLOWED_HOSTS = 64
+_HOST_NAME = re.compile(r"[a-z0-9._~!$&'()*+,;=-]{1,253}|\[[0-9a-f:.]{2,45}\]")
 
 
 def parse_duration(value: object) -> object:
@@ -153,6 +156,22 @@ def _http_url(value: str) -> str:
     return value
 
 
+def _host_name(value: str) -> str:
+    """A host name or address as the Host header names it (lower case, no port)."""
+    name = value.strip().lower()
+    if not _HOST_NAME.fullmatch(name):
+        raise ValueError(
+            f"expected a host name such as 'blocktune.internal' or an address such as "
+            f"'10.0.0.5' or '[fd00::1]', without scheme or port, got {value[:80]!r}"
+        )
+    if name.startswith("["):
+        try:
+            return str(ipaddress.IPv6Address(name[1:-1]))
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IPv6 address in brackets") from None
+    return name
+
+
 def _field_path(value: str) -> str:
     if not value or any(not part for part in value.split(".")):
         raise ValueError(
@@ -168,6 +187,7 @@ DwellDuration = Annotated[
 BlockSize = Annotated[int, Field(strict=True, le=MAX_BLOCK_SIZE), AfterValidator(_power_of_two)]
 HttpUrl = Annotated[str, AfterValidator(_http_url)]
 FieldPath = Annotated[str, AfterValidator(_field_path)]
+HostName = Annotated[str, Field(strict=True, max_length=260), AfterValidator(_host_name)]
 
 
 class Section(BaseModel):
@@ -300,6 +320,12 @@ class ServerSettings(Section):
     )
     max_connections: int = Field(
         default=512, ge=1, le=65535, description="connections beyond this many are closed at once"
+    )
+    allowed_hosts: tuple[HostName, ...] = Field(
+        default=(),
+        max_length=MAX_ALLOWED_HOSTS,
+        description="host names (or addresses) clients may send in the Host header beside the "
+        "loopback ones, e.g. the name of a proxy in front (a request for any other is a 421)",
     )
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -128,8 +128,11 @@ class _SidecarMetrics:
             yield swaps
 
 
-def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI:
-    """The sidecar's FastAPI app; its lifespan starts and stops `sidecar`."""
+def create_sidecar_app(
+    sidecar: Sidecar, *, token: str | None = None, allowed_hosts: Collection[str] = ()
+) -> FastAPI:
+    """The sidecar's FastAPI app; its lifespan starts and stops `sidecar`. Requests must
+    name a loopback host or one of `allowed_hosts` (see `guarded_app`)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -140,7 +143,7 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
             await asyncio.to_thread(sidecar.stop)
 
     app = guarded_app(
-        token=token,
+        allowed_hosts=allowed_hosts,
         title="blocktune sidecar",
         version=__version__,
         description="Watches request lengths and decides the KV block size every interval.",
@@ -205,7 +208,7 @@ def serve_sidecar(
     sidecar: Sidecar, *, host: str, port: int, token: str | None, server: ServerSettings
 ) -> None:
     """Serve `sidecar` with uvicorn until SIGTERM/SIGINT, then stop it (which saves state)."""
-    app = create_sidecar_app(sidecar, token=token)
+    app = create_sidecar_app(sidecar, token=token, allowed_hosts=server.allowed_hosts)
     config = server_config(app, host=host, port=port, server=server)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for
     # the handlers it found; these keep that second delivery from killing the process.

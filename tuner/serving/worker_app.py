@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Collection
 
 import httpx
 import uvicorn
@@ -175,6 +176,11 @@ def _validation_error(_: Request, error: RequestValidationError) -> Response:
     return _json(OpenAIError(422, message or "invalid request", param=param).body, 422)
 
 
+def _refusal_body(status: int, message: str) -> dict:
+    """A refusal of the guard middlewares as an OpenAI error object."""
+    return OpenAIError(status, message).body
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     """Every refusal in OpenAI's error shape, whatever raised it."""
 
@@ -268,9 +274,16 @@ def create_worker_app(
     tokenizer: Tokenizer | None,
     token: str | None = None,
     pusher: LengthPusher | None = None,
+    allowed_hosts: Collection[str] = (),
 ) -> FastAPI:
-    """The worker's FastAPI app around a started `EngineLoop` serving `model_name`."""
-    app = guarded_app(token=token, title="blocktune worker", version="1")
+    """The worker's FastAPI app around a started `EngineLoop` serving `model_name`, for
+    requests naming a loopback host or one of `allowed_hosts` (see `guarded_app`)."""
+    app = guarded_app(
+        allowed_hosts=allowed_hosts,
+        refusal_body=_refusal_body,
+        title="blocktune worker",
+        version="1",
+    )
     _add_error_handlers(app)
     auth = BearerAuth(token)
     served = ServedModel(model_name, tokenizer, loop.engine.max_request_tokens)
@@ -344,7 +357,12 @@ def serve_worker(
     """Start `loop` and serve it with uvicorn until SIGINT/SIGTERM, then stop both threads."""
     loop.start()
     app = create_worker_app(
-        loop, model_name=model_name, tokenizer=tokenizer, token=token, pusher=pusher
+        loop,
+        model_name=model_name,
+        tokenizer=tokenizer,
+        token=token,
+        pusher=pusher,
+        allowed_hosts=server.allowed_hosts,
     )
     try:
         uvicorn.Server(server_config(app, host=host, port=port, server=server)).run()
