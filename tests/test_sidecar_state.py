@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,9 @@ def test_deeply_nested_json_is_set_aside(tmp_path):
     ("change", "value"),
     [
         ("current_block_size", 2**40),
+        ("current_block_size", 256),  # powers of two, but not among the candidates
+        ("current_block_size", 65536),
+        ("recommended_block_size", 4),
         ("deployment", "another-deployment"),
         ("saved_at", float("nan")),
         ("last_switch_at", float("inf")),
@@ -91,15 +95,21 @@ def test_a_window_larger_than_the_policy_holds_is_set_aside(tmp_path, rows, capl
     assert ("more than its capacity 100" if rows == 200 else "over 1061376 bytes") in problem
 
 
-@pytest.mark.parametrize("where", ["a folder", "under a file"])
+@pytest.mark.parametrize("where", ["a folder", "a FIFO", "under a file"])
 def test_an_unreadable_state_path_is_one_clear_error(tmp_path, capsys, where):
+    """Not a regular file: one line and exit 2, at once (a FIFO opened to read would wait for
+    a writer forever)."""
     if where == "a folder":
         path, expected = tmp_path / "state.json", "Is a directory"
         path.mkdir()
+    elif where == "a FIFO":
+        path, expected = tmp_path / "state.json", "not a regular file (a FIFO, socket or device)"
+        os.mkfifo(path)
     else:
         (tmp_path / "file").write_text("")
         path, expected = tmp_path / "file" / "state.json", "Not a directory"
-    with pytest.raises(StateFileError, match=f"{path}: cannot read the state file: {expected}"):
+    message = f"{path}: cannot read the state file: {expected}"
+    with pytest.raises(StateFileError, match=re.escape(message)):
         Sidecar(POLICY, state_file=path)
     assert main(["serve", "--policy", str(DEFAULT), "--state-file", str(path)]) == 2
     error = capsys.readouterr().err

@@ -6,10 +6,12 @@ leaves either the old state or the new one, never half of one; the
 temporaries a crash leaves behind are removed at the next load. `load` reads
 it back and checks it against the policy: a file that is not standard JSON,
 not a valid state, larger than a window of the policy's capacity can be, or
-that does not fit the policy (another deployment, more rows than the window
-holds) is reported (a log line naming the file and the problem) and set aside
-as `FILE.corrupt-<UTC timestamp>`, and the sidecar starts fresh. A state file
-that cannot be read at all (a folder, a path through a file), or a corrupt one
+that does not fit the policy (another deployment, a block size that is not
+one of its candidates, more rows than the window holds) is reported (a log
+line naming the file and the problem) and set aside as
+`FILE.corrupt-<UTC timestamp>`, and the sidecar starts fresh. A state file
+that cannot be read at all (a folder, a FIFO or another file that is not a
+regular one, a path through a file), or a corrupt one
 that cannot be set aside (a read-only folder), raises `StateFileError`: the
 sidecar does not start until an operator looks.
 """
@@ -17,8 +19,10 @@ sidecar does not start until an operator looks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import tempfile
 import threading
 from datetime import datetime, timezone
@@ -92,7 +96,8 @@ class SavedState(_Frozen):
     """Everything the sidecar restores at start.
 
     Validated with ``context={"policy": policy}``, the state must also fit that
-    policy: the same deployment, and no more rows than its window holds.
+    policy: the same deployment, block sizes among its candidates, and no more rows
+    than its window holds.
     """
 
     version: Literal[1] = STATE_VERSION
@@ -114,6 +119,13 @@ class SavedState(_Frozen):
             raise ValueError(
                 f"the state is deployment {self.deployment!r}'s, not {policy.deployment!r}'s"
             )
+        for name in ("current_block_size", "recommended_block_size"):
+            size = getattr(self, name)
+            if size is not None and size not in policy.candidates:
+                raise ValueError(
+                    f"the state's {name} {size} is not one of the policy's candidates "
+                    f"{list(policy.candidates)}"
+                )
         rows, capacity = len(self.window.timestamps), policy.window.capacity
         if rows > capacity:
             raise ValueError(f"the window holds {rows} rows, more than its capacity {capacity}")
@@ -160,8 +172,7 @@ class StateFile:
         with self._lock:
             self._remove_temporaries()
             try:
-                with self.path.open("rb") as handle:
-                    data = handle.read(limit + 1)
+                data = self._read(limit + 1)
             except FileNotFoundError:
                 return None
             except OSError as error:
@@ -177,6 +188,18 @@ class StateFile:
                     problem = _describe(error)
             self._set_aside(problem)
             return None
+
+    def _read(self, most: int) -> bytes:
+        """Up to `most` bytes of the file; `OSError` unless it is a regular file (opened
+        without blocking, so a FIFO cannot hang the start)."""
+        descriptor = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(descriptor, "rb") as handle:
+            mode = os.fstat(descriptor).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            if not stat.S_ISREG(mode):
+                raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)")
+            return handle.read(most)
 
     def _remove_temporaries(self) -> None:
         """Remove the temporaries of saves that a crash interrupted (one sidecar per file)."""
