@@ -13,7 +13,7 @@ from blocktune.tuner.core.policy import WindowSettings, load_policy
 from blocktune.tuner.sidecar import state as state_module
 from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import Observations
-from blocktune.tuner.sidecar.state import StateFileError
+from blocktune.tuner.sidecar.state import StateFile, StateFileError, StateTooLarge
 
 DEFAULT = Path(__file__).resolve().parents[1] / "policies" / "default.yaml"
 POLICY = load_policy(DEFAULT)
@@ -167,3 +167,21 @@ def test_failed_saves_are_counted_and_the_sidecar_keeps_deciding(tmp_path):
     sidecar.save_state()
     assert json.loads(path.read_text())["window"]["observed_total"] == 300
     assert sidecar.metrics()["state_save_failures"] == 2
+
+
+def test_a_state_too_large_to_load_back_is_not_saved_and_the_last_good_file_stays(tmp_path, caplog):
+    path = tmp_path / "state.json"
+    sidecar = Sidecar(POLICY, state_file=path)
+    observe(sidecar, 400)
+    sidecar.save_state()
+    good = path.read_bytes()
+    huge = sidecar._saved_state().model_copy(update={"recommendation": {"x": "y" * 2_000_000}})
+    with pytest.raises(StateTooLarge, match="over the 1176576 a state file of a 1000-row"):
+        StateFile(path).save(huge, POLICY)
+    sidecar._saved_state = lambda: huge  # a state that somehow grew past the limit
+    with caplog.at_level("INFO", logger="blocktune.sidecar"):
+        sidecar.save_state()
+    assert sidecar.metrics()["state_save_failures"] == 1
+    assert "state_save_failed" in caplog.text and "not saved" in caplog.text
+    assert path.read_bytes() == good and sorted(tmp_path.iterdir()) == [path]
+    assert len(Sidecar(POLICY, state_file=path).window) == 400

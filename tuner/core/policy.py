@@ -97,6 +97,7 @@ MAX_BLOCK_SIZE = 1 << 16
 MAX_KV_BUDGET = 1 << 50  # 1 PiB
 MAX_WINDOW_CAPACITY = 1_000_000  # rows of the length window, allocated at start
 MAX_ALLOWED_HOSTS = 64
+MAX_URL_CHARS = 2048
 _HOST_NAME = re.compile(r"[a-z0-9._~!$&'()*+,;=-]{1,253}|\[[0-9a-f:.]{2,45}\]")
 
 
@@ -150,6 +151,8 @@ def _distinct_sorted(values: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _http_url(value: str) -> str:
+    if len(value) > MAX_URL_CHARS:
+        raise ValueError(f"URLs are at most {MAX_URL_CHARS} characters, got {len(value)}")
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")

@@ -2,9 +2,10 @@
 
 `StateFile.save` writes JSON to a temporary file in the same folder, flushes
 it to disk and renames it over the state file (`os.replace`), so a crash
-leaves either the old state or the new one, never half of one; the
-temporaries a crash leaves behind are removed at the next load. `load` reads
-it back and checks it against the policy: a file that is not standard JSON,
+leaves either the old state or the new one, never half of one; a state
+larger than a load would read is refused (`StateTooLarge`) and the last good
+file stays. The temporaries a crash leaves behind are removed at the next
+load. `load` reads it back and checks it against the policy: a file that is not standard JSON,
 not a valid state, larger than a window of the policy's capacity can be, or
 that does not fit the policy (another deployment, a block size that is not
 one of its candidates, more rows than the window holds) is reported (a log
@@ -44,7 +45,14 @@ from blocktune.tuner.core.jsonable import from_json
 from blocktune.tuner.core.policy import BlockSize, Policy
 from blocktune.tuner.operations import log_event
 
-__all__ = ["STATE_VERSION", "SavedState", "SavedWindow", "StateFile", "StateFileError"]
+__all__ = [
+    "STATE_VERSION",
+    "SavedState",
+    "SavedWindow",
+    "StateFile",
+    "StateFileError",
+    "StateTooLarge",
+]
 
 STATE_VERSION = 1
 BYTES_PER_ROW = 128  # a window row as JSON is at most about 70 bytes
@@ -56,6 +64,10 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 class StateFileError(ValueError):
     """A state file that can neither be read nor set aside; the message names it and why."""
+
+
+class StateTooLarge(ValueError):
+    """A state that would take more bytes than a load reads; it was not saved."""
 
 
 class _Frozen(BaseModel):
@@ -140,9 +152,25 @@ class StateFile:
         self.set_aside_as: Path | None = None  # where the last corrupt file went
         self._lock = threading.Lock()
 
-    def save(self, state: SavedState) -> None:
-        """Write `state` atomically (temporary file in the same folder, fsync, rename)."""
+    @staticmethod
+    def byte_limit(policy: Policy) -> int:
+        """The most bytes a state file of `policy` may take: what its window's rows and the
+        last decision need."""
+        return BYTES_BESIDE_ROWS + BYTES_PER_ROW * policy.window.capacity
+
+    def save(self, state: SavedState, policy: Policy) -> None:
+        """Write `state` atomically (temporary file in the same folder, fsync, rename).
+
+        Raises `StateTooLarge`, writing nothing, when it would take more bytes than `load`
+        reads for `policy` (the last good file stays).
+        """
         data = state.model_dump_json().encode("utf-8")
+        limit = self.byte_limit(policy)
+        if len(data) > limit:
+            raise StateTooLarge(
+                f"{self.path}: the state takes {len(data)} bytes, over the {limit} a state "
+                f"file of a {policy.window.capacity}-row window may take; not saved"
+            )
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             handle, temporary = tempfile.mkstemp(
@@ -168,7 +196,7 @@ class StateFile:
         Raises `StateFileError` when the file cannot be read or set aside.
         """
         capacity = policy.window.capacity
-        limit = BYTES_BESIDE_ROWS + BYTES_PER_ROW * capacity
+        limit = self.byte_limit(policy)
         with self._lock:
             self._remove_temporaries()
             try:
