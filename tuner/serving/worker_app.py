@@ -256,9 +256,8 @@ async def _swap(loop: EngineLoop, size: int) -> dict:
             f"{list(candidates)}",
             param="block_size",
         )
-    ticket = loop.request_block_size(size)
     try:
-        result: SwapResult = await asyncio.to_thread(ticket.result, 60.0)
+        result: SwapResult = await asyncio.to_thread(loop.swap, size, 60.0)
     except TimeoutError:
         raise HTTPException(status_code=504, detail="no step boundary within 60 s") from None
     except Exception as error:  # the commit itself failed; the engine loop recovered
@@ -326,14 +325,13 @@ def create_worker_app(
     async def block_size(body: BlockSizeRequest) -> dict:
         return await _swap(loop, body.block_size)
 
-    # Plain functions, so FastAPI runs them on its thread pool: reading the engine's state
-    # waits for the step in progress, which must not stall the event loop.
+    # Both read the state the engine published after its last step: never wait for one.
     @app.get("/admin/state")
-    def state() -> dict:
+    async def state() -> dict:
         return loop.state()
 
     @app.get("/metrics")
-    def metrics_endpoint() -> Response:
+    async def metrics_endpoint() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
