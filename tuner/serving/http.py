@@ -17,7 +17,8 @@ served with `server_config`. Before a route sees a request:
 - a 422 names every invalid field and echoes a value only when it is JSON.
 
 The refusals of the two middlewares are shaped by the app's `refusal_body`
-(`{"detail": ...}` by default; the worker's are OpenAI error objects).
+(`{"detail": ...}` by default; the worker's are OpenAI error objects), and
+every operation of the app's OpenAPI document lists them (`refusals`).
 
 Mutating endpoints require `Authorization: Bearer <token>` when a token is
 configured (compared in constant time); without a token a service refuses to
@@ -53,6 +54,7 @@ from blocktune.tuner.core.jsonable import from_json
 from blocktune.tuner.core.policy import ServerSettings
 
 __all__ = [
+    "DETAIL_SCHEMA",
     "MAX_BODY_BYTES",
     "BearerAuth",
     "BodyLimit",
@@ -63,6 +65,7 @@ __all__ = [
     "detail_body",
     "guarded_app",
     "host_name",
+    "refusals",
     "server_config",
 ]
 
@@ -74,6 +77,24 @@ _HOST_HEADER = re.compile(
 )
 
 RefusalBody = Callable[[int, str], dict]
+DETAIL_SCHEMA = {"type": "object", "properties": {"detail": {}}, "required": ["detail"]}
+# The refusals any request may meet before its route sees it.
+GUARD_REFUSALS = {
+    400: "the body is not standard JSON",
+    403: "a cross-origin request",
+    413: "a body over 1 MiB",
+    415: "a body not declared application/json",
+    421: "a Host header that is no host[:port], or names no loopback or allowed host",
+}
+
+
+def refusals(schema: dict, described: dict[int, str]) -> dict[int | str, dict]:
+    """OpenAPI `responses` for the refusals in `described` (status -> why), each a JSON
+    body of `schema`."""
+    return {
+        status: {"description": why, "content": {"application/json": {"schema": schema}}}
+        for status, why in described.items()
+    }
 
 
 def detail_body(_status: int, message: str) -> dict:
@@ -280,12 +301,13 @@ def guarded_app(
     *,
     allowed_hosts: Collection[str] = (),
     refusal_body: RefusalBody = detail_body,
+    refusal_schema: dict = DETAIL_SCHEMA,
     **fastapi: Any,
 ) -> FastAPI:
     """A FastAPI app (`fastapi` its arguments) with every guard of the module docstring,
     serving `Host`s that are loopback or in `allowed_hosts`; the middlewares' refusals are
-    `refusal_body(status, message)`."""
-    app = FastAPI(**fastapi)
+    `refusal_body(status, message)`, documented on every operation with `refusal_schema`."""
+    app = FastAPI(responses=refusals(refusal_schema, GUARD_REFUSALS), **fastapi)
     app.router.route_class = StrictJsonRoute
     app.add_exception_handler(RequestValidationError, _invalid_request)
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts, refusal_body=refusal_body)

@@ -14,10 +14,29 @@ from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.serving.generation import ChoiceText
 from blocktune.tuner.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["OpenAIError", "Prepared", "ServedModel", "Usage"]
+__all__ = ["OPENAI_ERROR_SCHEMA", "OpenAIError", "Prepared", "ServedModel", "Usage"]
 
 # The id prefix and `object` of each kind of response (OpenAI's).
 OBJECTS = {"completion": ("cmpl", "text_completion"), "chat": ("chatcmpl", "chat.completion")}
+
+
+_NULLABLE_TEXT = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+OPENAI_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": _NULLABLE_TEXT,
+                "code": _NULLABLE_TEXT,
+            },
+        }
+    },
+}
 
 
 class OpenAIError(Exception):

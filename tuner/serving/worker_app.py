@@ -25,15 +25,15 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import httpx
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blocktune.runtime.engine import FinishedRequest, RequestError
@@ -43,8 +43,13 @@ from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.core.policy import ServerSettings
 from blocktune.tuner.operations import log_event
 from blocktune.tuner.serving.generation import Generation
-from blocktune.tuner.serving.http import BearerAuth, guarded_app, server_config
-from blocktune.tuner.serving.openai_api import OpenAIError, Prepared, ServedModel
+from blocktune.tuner.serving.http import BearerAuth, guarded_app, refusals, server_config
+from blocktune.tuner.serving.openai_api import (
+    OPENAI_ERROR_SCHEMA,
+    OpenAIError,
+    Prepared,
+    ServedModel,
+)
 from blocktune.tuner.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from blocktune.tuner.serving.worker_metrics import WorkerMetrics
 
@@ -144,6 +149,40 @@ class BlockSizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     block_size: int
+
+
+def _block_size_request(candidates: Sequence[int]) -> type[BlockSizeRequest]:
+    """`BlockSizeRequest` whose schema lists the worker's candidates (the sizes `_swap` takes)."""
+    sizes = Field(
+        description="one of the candidate block sizes", json_schema_extra={"enum": list(candidates)}
+    )
+    return create_model("BlockSizeRequest", __base__=BlockSizeRequest, block_size=(int, sizes))
+
+
+# What the OpenAPI document says of each refusal (their bodies are OpenAI error objects).
+_GENERATION_REFUSALS = {
+    400: "a request the model cannot serve: a token id outside its vocabulary, a prompt and "
+    "completion over max_model_len, a text prompt without a tokenizer, echo with logprobs",
+    404: "a model other than the one served (code model_not_found)",
+    422: "an invalid field, named by param",
+    503: "the engine failed a step; the requests in it were dropped",
+}
+_GENERATION_ANSWERS = {
+    200: {
+        "description": "the completion; with stream: true, server-sent events of chunks",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    },
+    **refusals(OPENAI_ERROR_SCHEMA, _GENERATION_REFUSALS),
+}
+_SWAP_REFUSALS = {
+    401: "a missing or wrong bearer token (when one is configured)",
+    422: "a block size that is not one of the candidates",
+    500: "the swap's commit failed; the engine recovered at the old size",
+    504: "no step boundary within 60 s",
+}
 
 
 def _json(body: dict, status_code: int = 200, headers: dict | None = None) -> Response:
@@ -280,6 +319,7 @@ def create_worker_app(
     app = guarded_app(
         allowed_hosts=allowed_hosts,
         refusal_body=_refusal_body,
+        refusal_schema=OPENAI_ERROR_SCHEMA,
         title="blocktune worker",
         version="1",
     )
@@ -306,31 +346,45 @@ def create_worker_app(
     async def models() -> dict:
         return {"object": "list", "data": [served.card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get(
+        "/v1/models/{model_id:path}",
+        responses=refusals(
+            OPENAI_ERROR_SCHEMA, {404: _GENERATION_REFUSALS[404], 422: "an invalid model id"}
+        ),
+    )
     async def model(model_id: str) -> dict:
         served.check_model(model_id)
         return served.card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATION_ANSWERS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepared = Prepared.completion(body, served)
         return await serve(prepared, body.stream, body.include_usage, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATION_ANSWERS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prepared = Prepared.chat(body, served)
         return await serve(prepared, body.stream, body.include_usage, request)
 
-    @app.post("/admin/block-size", dependencies=[Depends(auth)])
     async def block_size(body: BlockSizeRequest) -> dict:
         return await _swap(loop, body.block_size)
+
+    # The body's schema lists this worker's candidates (a class made here, so not by name).
+    block_size.__annotations__["body"] = _block_size_request(
+        loop.engine.config.candidate_block_sizes
+    )
+    app.post(
+        "/admin/block-size",
+        dependencies=[Depends(auth)],
+        responses=refusals(OPENAI_ERROR_SCHEMA, _SWAP_REFUSALS),
+    )(block_size)
 
     # Both read the state the engine published after its last step: never wait for one.
     @app.get("/admin/state")
     async def state() -> dict:
         return loop.state()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics_endpoint() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
