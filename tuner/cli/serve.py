@@ -73,9 +73,11 @@ def register(commands: argparse._SubParsersAction) -> None:
             "/readyz, /openapi.json) with the policy's sources (push, vLLM metrics, JSONL "
             "log) and its decision every policy interval. Mutating endpoints need the bearer "
             "token from the environment variable named by the policy's auth.token_env; "
-            "without one only a loopback address is served. The policy's server section "
-            "also sets the state file and the connection limits: read_timeout, keep_alive "
-            "and max_connections."
+            "without one only a loopback address is served. Token or not, a request whose "
+            "Host is neither loopback nor an allowed host (server.allowed_hosts, "
+            "--allowed-host) is refused with 421. The policy's server section also sets the "
+            "state file and the connection limits: read_timeout, keep_alive and "
+            "max_connections."
         ),
     )
     parser.add_argument(

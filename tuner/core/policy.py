@@ -30,7 +30,8 @@ Example::
       jsonl_log: {path: requests.jsonl, prompt_field: usage.prompt_tokens,
                   output_field: usage.completion_tokens}
     server: {host: 127.0.0.1, port: 8787, state_file: blocktune-state.json,
-             read_timeout: 10s, keep_alive: 5s, max_connections: 512}
+             read_timeout: 10s, keep_alive: 5s, max_connections: 512,
+             allowed_hosts: []}   # Host names served beside loopback (a proxy's)
     auth: {token_env: BLOCKTUNE_TOKEN}      # bearer token of the mutating endpoints
     actuator: {kind: none}    # or {kind: http, url: "http://127.0.0.1:8000"}: a worker
 """
