@@ -3,7 +3,10 @@
 `EngineLoop` runs the engine's steps on one thread; callers (the HTTP worker,
 tests, tools) hand it completions, cancellations and block-size requests and
 get every step's output through a callback, so concurrent requests share the
-engine through continuous batching and can stream. It imports only the runtime.
+engine through continuous batching and can stream. After each step (and each
+batch of new requests or cancellations) the thread publishes a snapshot of
+the engine's state, which `state()` returns at once, however long the step in
+progress takes. It imports only the runtime.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from blocktune.runtime.engine import Engine, RequestError, RequestOutput, SamplingParams
+from blocktune.runtime.swap_result import SwapResult
 
 __all__ = ["EngineLoop", "EngineStepFailed", "Job"]
 
@@ -57,6 +61,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self._idle_wait_s = idle_wait_s
         self.counters = _Counters()
+        self._published = threading.Condition()
+        self._snapshot = self._take_snapshot()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -84,18 +90,44 @@ class EngineLoop:
         self._wake.set()
         return ticket
 
+    def swap(self, block_size: int, timeout_s: float) -> SwapResult:
+        """Swap the block size at the next step boundary; the result once `state()` shows it.
+
+        Raises `TimeoutError` when no step boundary comes within `timeout_s`, and what the
+        commit raised when it failed.
+        """
+        result = self.request_block_size(block_size).result(timeout_s)
+        steps = self.engine.steps  # the step that swapped, or a later one
+        with self._published:
+            self._published.wait_for(lambda: self._snapshot["steps"] >= steps, timeout_s)
+        return result
+
     def state(self) -> dict:
-        with self._lock:
-            stats = self.engine.stats()
-            history = [r.to_dict() for r in self.engine.swap_history]
+        """The engine's state as published after its last step, and the loop's counters
+        now: never waits for a step."""
+        with self._published:
+            snapshot = self._snapshot
         return {
-            **stats,
+            **snapshot,
             "completed": self.counters.completed,
             "cancelled": self.counters.cancelled,
             "rejected": self.counters.rejected,
             "failed_steps": self.counters.failed_steps,
-            "swap_history": history,
+            "swap_history": list(snapshot["swap_history"]),
         }
+
+    def _take_snapshot(self) -> dict:
+        """The engine's state now (on the engine's thread, or while it is not running)."""
+        with self._lock:
+            stats = self.engine.stats()
+            history = [r.to_dict() for r in self.engine.swap_history]
+        return {**stats, "swap_history": history}
+
+    def _publish(self) -> None:
+        snapshot = self._take_snapshot()
+        with self._published:
+            self._snapshot = snapshot
+            self._published.notify_all()
 
     def check(self) -> None:
         """Assert the engine's bookkeeping invariants (between steps)."""
@@ -105,7 +137,8 @@ class EngineLoop:
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain_inbox()
+            if self._drain_inbox():
+                self._publish()
             with self._lock:
                 busy = self.engine.has_unfinished() or self.engine.has_pending_swaps()
                 if busy:
@@ -122,6 +155,7 @@ class EngineLoop:
                     del self._jobs[output.request_id]
                     self.counters.completed += 1
                 job.emit(output)
+            self._publish()
 
     def _step(self) -> list[RequestOutput]:
         """One engine step (lock held). A step that raises fails every request in flight,
@@ -140,12 +174,15 @@ class EngineLoop:
             outputs = []
         return outputs
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> int:
+        """Admit the new jobs and apply the cancellations; how many items there were."""
+        count = 0
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return count
+            count += 1
             if isinstance(item, Job):
                 try:
                     with self._lock:

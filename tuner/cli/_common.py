@@ -25,6 +25,7 @@ __all__ = [
     "DayFlagError",
     "add_calibration_argument",
     "add_day_arguments",
+    "add_allowed_hosts_argument",
     "add_engine_arguments",
     "add_load_arguments",
     "add_model_arguments",
@@ -39,6 +40,7 @@ __all__ = [
     "positive_int",
     "report_skipped",
     "set_threads",
+    "with_allowed_hosts",
 ]
 
 
@@ -50,12 +52,45 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _host_name(text: str) -> str:
+    """An argparse type: a host name or address as `server.allowed_hosts` takes it."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from blocktune.tuner.config.policy import HostName
+
+    try:
+        return TypeAdapter(HostName).validate_python(text)
+    except ValidationError as error:
+        raise argparse.ArgumentTypeError(error.errors()[0]["msg"]) from None
+
+
+def add_allowed_hosts_argument(parser: argparse.ArgumentParser) -> None:
+    """`--allowed-host NAME`, repeatable: the Host names served beside the loopback ones."""
+    parser.add_argument(
+        "--allowed-host",
+        dest="allowed_hosts",
+        action="append",
+        type=_host_name,
+        default=None,
+        metavar="NAME",
+        help="a host name or address clients send in the Host header (a proxy's name, this "
+        "machine's address), served beside the loopback ones; repeat for several; any other "
+        "Host is refused with 421, against DNS rebinding (default: the policy's "
+        "server.allowed_hosts, else none)",
+    )
+
+
+def with_allowed_hosts(server, args: argparse.Namespace):
+    """`server` (ServerSettings) with `--allowed-host`'s names, when any were given."""
+    if args.allowed_hosts is None:
+        return server
+    return server.model_copy(update={"allowed_hosts": tuple(args.allowed_hosts)})
+
+
 DAY_DURATION_S = 86_400.0
 
 SHAPE_KEYS = ("hidden", "layers", "heads", "kv_heads")
 """The keys of `--model-shape`; kv_heads may be left out (then it equals heads)."""
-
-"""The `--dtype` choices: the names of `blocktune.runtime.loading.DTYPES` (kept torch-free)."""
 
 
 def load_from_args(args: argparse.Namespace):

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from blocktune.tuner.cli._common import add_allowed_hosts_argument, with_allowed_hosts
+
 __all__ = ["register"]
 
 
@@ -31,7 +33,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for problem in error.problems:
             print(problem, file=sys.stderr)
         return 2
-    server = policy.server
+    server = with_allowed_hosts(policy.server, args)
     host = args.host or server.host
     port = args.port or server.port
     if args.state_file is not None:
@@ -71,9 +73,11 @@ def register(commands: argparse._SubParsersAction) -> None:
             "/readyz, /openapi.json) with the policy's sources (push, vLLM metrics, JSONL "
             "log) and its decision every policy interval. Mutating endpoints need the bearer "
             "token from the environment variable named by the policy's auth.token_env; "
-            "without one only a loopback address is served. The policy's server section "
-            "also sets the state file and the connection limits: read_timeout, keep_alive "
-            "and max_connections."
+            "without one only a loopback address is served. Token or not, a request whose "
+            "Host is neither loopback nor an allowed host (server.allowed_hosts, "
+            "--allowed-host) is refused with 421. The policy's server section also sets the "
+            "state file and the connection limits: read_timeout, keep_alive and "
+            "max_connections."
         ),
     )
     parser.add_argument(
@@ -94,4 +98,5 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="where to save and restore the window and last decision (default: the policy's)",
     )
+    add_allowed_hosts_argument(parser)
     parser.set_defaults(handler=run_serve)

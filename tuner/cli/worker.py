@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from blocktune.tuner.cli._common import (
+    add_allowed_hosts_argument,
     add_engine_arguments,
     engine_config_from_args,
     load_model_from_args,
@@ -39,6 +40,7 @@ def config_from_args(args: argparse.Namespace):
         block_size=args.block_size,
         candidates=args.candidates,
         token_env=args.token_env,
+        allowed_hosts=args.allowed_hosts,
     )
 
 
@@ -129,8 +131,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="a deployment policy: its kv_budget, starting block size (server.initial_block_size, "
         "else the candidate nearest 16), candidates and auth.token_env are the defaults here, "
-        "and its server section's read_timeout, keep_alive and max_connections apply",
+        "and its server section's read_timeout, keep_alive, max_connections and "
+        "allowed_hosts apply",
     )
+    add_allowed_hosts_argument(parser)
     parser.add_argument(
         "--candidates",
         type=int,

@@ -19,10 +19,20 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-__all__ = ["MAX_PROBLEMS", "ConfigError", "error_message", "format_location", "load_yaml_model"]
+__all__ = [
+    "CLIP_CHARS",
+    "MAX_PROBLEMS",
+    "ConfigError",
+    "clip",
+    "error_message",
+    "format_location",
+    "load_yaml_model",
+]
 
 M = TypeVar("M", bound=BaseModel)
 MAX_PROBLEMS = 20
+CLIP_CHARS = 80  # the most characters of a value a message echoes
+MESSAGE_CHARS = 400  # the most characters of a validator's message (it may name the value)
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
@@ -35,14 +45,22 @@ class ConfigError(ValueError):
         super().__init__("\n".join(self.problems))
 
 
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """`text` cut to its first `limit` characters and "… (N more)" when longer."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text) - limit} more)"
+
+
 def format_location(loc: Sequence[str | int]) -> str:
-    """A pydantic location as a key path: ``window.capacity``, ``candidates[2]``."""
+    """A pydantic location as a key path: ``window.capacity``, ``candidates[2]`` (a long
+    key cut by `clip`)."""
     text = ""
     for part in loc:
         if isinstance(part, int):
             text += f"[{part}]"
         else:
-            text += f".{part}" if text else str(part)
+            text += f".{clip(str(part))}" if text else clip(str(part))
     return text or "(top level)"
 
 
@@ -91,14 +109,15 @@ class _NodeTree:
 
 
 def error_message(error: dict[str, Any]) -> str:
+    """One pydantic error as a line's message, naming the value it got (cut by `clip`)."""
     value_error = error["type"] == "value_error"
     message = str(error["ctx"]["error"]) if value_error else error["msg"]
     value = error.get("input")
     # Our own validators name the value in their message already.
     named = value_error or error["type"] == "missing"
     if not named and isinstance(value, str | int | float | bool):
-        message += f" (got {value!r})"
-    return message
+        message += f" (got {clip(repr(value))})"
+    return clip(message, MESSAGE_CHARS)
 
 
 def _read_text(path: Path) -> str:

@@ -30,13 +30,15 @@ Example::
       jsonl_log: {path: requests.jsonl, prompt_field: usage.prompt_tokens,
                   output_field: usage.completion_tokens}
     server: {host: 127.0.0.1, port: 8787, state_file: blocktune-state.json,
-             read_timeout: 10s, keep_alive: 5s, max_connections: 512}
+             read_timeout: 10s, keep_alive: 5s, max_connections: 512,
+             allowed_hosts: []}   # Host names served beside loopback (a proxy's)
     auth: {token_env: BLOCKTUNE_TOKEN}      # bearer token of the mutating endpoints
     actuator: {kind: none}    # or {kind: http, url: "http://127.0.0.1:8000"}: a worker
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from datetime import timedelta
@@ -97,6 +99,9 @@ MAX_DURATION = timedelta(days=365)
 MAX_BLOCK_SIZE = 1 << 16
 MAX_KV_BUDGET = 1 << 50  # 1 PiB
 MAX_WINDOW_CAPACITY = 1_000_000  # rows of the length window, allocated at start
+MAX_ALLOWED_HOSTS = 64
+MAX_URL_CHARS = 2048
+_HOST_NAME = re.compile(r"[a-z0-9._~!$&'()*+,;=-]{1,253}|\[[0-9a-f:.]{2,45}\]")
 
 
 def parse_duration(value: object) -> object:
@@ -149,10 +154,28 @@ def _distinct_sorted(values: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _http_url(value: str) -> str:
+    if len(value) > MAX_URL_CHARS:
+        raise ValueError(f"URLs are at most {MAX_URL_CHARS} characters, got {len(value)}")
     parts = urlsplit(value)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"expected an http:// or https:// URL with a host, got {value!r}")
     return value
+
+
+def _host_name(value: str) -> str:
+    """A host name or address as the Host header names it (lower case, no port)."""
+    name = value.strip().lower()
+    if not _HOST_NAME.fullmatch(name):
+        raise ValueError(
+            f"expected a host name such as 'blocktune.internal' or an address such as "
+            f"'10.0.0.5' or '[fd00::1]', without scheme or port, got {value[:80]!r}"
+        )
+    if name.startswith("["):
+        try:
+            return str(ipaddress.IPv6Address(name[1:-1]))
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IPv6 address in brackets") from None
+    return name
 
 
 def _field_path(value: str) -> str:
@@ -170,6 +193,7 @@ DwellDuration = Annotated[
 BlockSize = Annotated[int, Field(strict=True, le=MAX_BLOCK_SIZE), AfterValidator(_power_of_two)]
 HttpUrl = Annotated[str, AfterValidator(_http_url)]
 FieldPath = Annotated[str, AfterValidator(_field_path)]
+HostName = Annotated[str, Field(strict=True, max_length=260), AfterValidator(_host_name)]
 
 
 class Section(BaseModel):
@@ -311,6 +335,12 @@ class ServerSettings(Section):
     )
     max_connections: int = Field(
         default=512, ge=1, le=65535, description="connections beyond this many are closed at once"
+    )
+    allowed_hosts: tuple[HostName, ...] = Field(
+        default=(),
+        max_length=MAX_ALLOWED_HOSTS,
+        description="host names (or addresses) clients may send in the Host header beside the "
+        "loopback ones, e.g. the name of a proxy in front (a request for any other is a 421)",
     )
 
 

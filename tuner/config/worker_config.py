@@ -33,7 +33,8 @@ class PoolSettings:
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """A worker's pool, the variable of its admin token and its HTTP server's limits."""
+    """A worker's pool, the variable of its admin token and its HTTP server's limits and
+    allowed hosts."""
 
     pool: PoolSettings
     token_env: str = DEFAULT_TOKEN_ENV
@@ -47,18 +48,22 @@ def worker_config(
     block_size: int | None = None,
     candidates: list[int] | None = None,
     token_env: str | None = None,
+    allowed_hosts: list[str] | None = None,
 ) -> WorkerConfig:
     """The worker's settings: each given value, else the policy's, else the default."""
+    server = policy.server if policy is not None else ServerSettings()
+    if allowed_hosts is not None:
+        server = server.model_copy(update={"allowed_hosts": tuple(allowed_hosts)})
     if policy is None:
         pool = PoolSettings(
             kv_bytes=kv_bytes or DEFAULT_KV_BYTES,
             block_size=block_size or DEFAULT_BLOCK_SIZE,
             candidates=tuple(candidates or DEFAULT_CANDIDATES),
         )
-        return WorkerConfig(pool, token_env or DEFAULT_TOKEN_ENV)
+        return WorkerConfig(pool, token_env or DEFAULT_TOKEN_ENV, server)
     pool = PoolSettings(
         kv_bytes=kv_bytes or int(policy.kv_budget),
         block_size=block_size or policy.starting_block_size,
         candidates=tuple(candidates or policy.candidates),
     )
-    return WorkerConfig(pool, token_env or policy.auth.token_env, policy.server)
+    return WorkerConfig(pool, token_env or policy.auth.token_env, server)

@@ -4,13 +4,21 @@ Both the sidecar and the worker are FastAPI apps made by `guarded_app` and
 served with `server_config`. Before a route sees a request:
 
 - a body over `MAX_BODY_BYTES` is refused with 413 before it is read whole;
+- a `Host` header that is not RFC 9110's `host[:port]` (userinfo such as
+  `evil.example@127.0.0.1` included), or names neither a loopback host nor
+  one of the allowed hosts, is refused with 421, token or not, so no page of
+  a rebound DNS name can read the API (a deployment behind a proxy names the
+  hosts its clients use: `server.allowed_hosts`, `--allowed-host`);
 - a body not declared `Content-Type: application/json` is refused with 415,
   and a request whose `Origin` is not its own host with 403, so no web page
-  open on the host can drive the API; without a token (loopback only), a
-  `Host` that is no loopback name is refused with 421 (DNS rebinding);
+  open on the host can drive the API;
 - a body that is not standard JSON (NaN, Infinity, invalid UTF-8, a lone
   surrogate, nesting over 200 levels) is a 400 naming the line and column;
 - a 422 names every invalid field and echoes a value only when it is JSON.
+
+The refusals of the two middlewares are shaped by the app's `refusal_body`
+(`{"detail": ...}` by default; the worker's are OpenAI error objects), and
+every operation of the app's OpenAPI document lists them (`refusals`).
 
 Mutating endpoints require `Authorization: Bearer <token>` when a token is
 configured (compared in constant time); without a token a service refuses to
@@ -26,7 +34,8 @@ import functools
 import hmac
 import ipaddress
 import json
-from collections.abc import Callable, Coroutine
+import re
+from collections.abc import Callable, Collection, Coroutine
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,21 +49,72 @@ from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from blocktune.tuner.config.config_files import clip
 from blocktune.tuner.config.jsonable import from_json
 from blocktune.tuner.config.policy import ServerSettings
 
 __all__ = [
+    "DETAIL_SCHEMA",
     "MAX_BODY_BYTES",
     "BearerAuth",
     "BodyLimit",
     "InsecureBind",
+    "RefusalBody",
     "RequestGuard",
     "check_bind",
+    "detail_body",
     "guarded_app",
+    "host_name",
+    "refusals",
     "server_config",
 ]
 
 MAX_BODY_BYTES = 1 << 20
+# RFC 9110's Host: uri-host [":" port], uri-host an IP-literal, IPv4address or reg-name
+# (RFC 3986: unreserved, pct-encoded and sub-delims; no userinfo, no path).
+_HOST_HEADER = re.compile(
+    r"(?P<host>\[[0-9A-Fa-f:.]+\]|(?:[A-Za-z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})+)(?::[0-9]*)?"
+)
+
+RefusalBody = Callable[[int, str], dict]
+DETAIL_SCHEMA = {"type": "object", "properties": {"detail": {}}, "required": ["detail"]}
+# The refusals any request may meet before its route sees it.
+GUARD_REFUSALS = {
+    400: "the body is not standard JSON",
+    403: "a cross-origin request",
+    413: "a body over 1 MiB",
+    415: "a body not declared application/json",
+    421: "a Host header that is no host[:port], or names no loopback or allowed host",
+}
+
+
+def refusals(schema: dict, described: dict[int, str]) -> dict[int | str, dict]:
+    """OpenAPI `responses` for the refusals in `described` (status -> why), each a JSON
+    body of `schema`."""
+    return {
+        status: {"description": why, "content": {"application/json": {"schema": schema}}}
+        for status, why in described.items()
+    }
+
+
+def detail_body(_status: int, message: str) -> dict:
+    """A refusal as FastAPI words its own: `{"detail": message}`."""
+    return {"detail": message}
+
+
+def host_name(header: str) -> str | None:
+    """The host of a `Host` header (lower case, an IPv6 address without its brackets), or
+    None when the header is no RFC 9110 `host[:port]`."""
+    match = _HOST_HEADER.fullmatch(header)
+    if match is None:
+        return None
+    host = match["host"].lower()
+    if host.startswith("["):
+        try:
+            return str(ipaddress.IPv6Address(host[1:-1]))
+        except ValueError:
+            return None
+    return host
 
 
 class InsecureBind(ValueError):
@@ -107,9 +167,12 @@ class BodyLimit:
     grows past it while streaming fails the read with the same 413.
     """
 
-    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(
+        self, app, max_bytes: int = MAX_BODY_BYTES, refusal_body: RefusalBody = detail_body
+    ) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.refusal_body = refusal_body
 
     def _too_large(self) -> HTTPException:
         return HTTPException(
@@ -122,9 +185,8 @@ class BodyLimit:
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            error = self._too_large()
-            response = JSONResponse({"detail": error.detail}, status_code=413)
-            await response(scope, receive, send)
+            body = self.refusal_body(413, self._too_large().detail)
+            await JSONResponse(body, status_code=413)(scope, receive, send)
             return
         received = 0
 
@@ -143,22 +205,41 @@ class BodyLimit:
 class RequestGuard:
     """ASGI middleware: refuse, from the headers alone, what no client of ours sends.
 
-    A body must be declared `application/json` (415), an `Origin` header must
-    name the request's own host (403), and with `loopback_only` the `Host`
-    must be a loopback name (421).
+    The `Host` must be a `host[:port]` naming a loopback host or one of
+    `allowed_hosts` (421), an `Origin` header must name the request's own host
+    (403), and a body must be declared `application/json` (415).
     """
 
-    def __init__(self, app, *, loopback_only: bool) -> None:
+    def __init__(
+        self,
+        app,
+        *,
+        allowed_hosts: Collection[str] = (),
+        refusal_body: RefusalBody = detail_body,
+    ) -> None:
         self.app = app
-        self.loopback_only = loopback_only
+        self.allowed_hosts = frozenset(host.lower() for host in allowed_hosts)
+        self.refusal_body = refusal_body
+
+    def _host_refusal(self, host: str) -> str | None:
+        name = host_name(host)
+        if name is None:
+            return f"the Host header {_shown(host)} is not a host[:port]"
+        if not (is_loopback(name) or name in self.allowed_hosts):
+            return (
+                f"host {_shown(host)} is neither loopback nor an allowed host "
+                "(name the hosts clients use with server.allowed_hosts or --allowed-host)"
+            )
+        return None
 
     def _refusal(self, headers: Headers) -> tuple[int, str] | None:
         host = headers.get("host", "")
-        if self.loopback_only and not is_loopback(urlsplit(f"//{host}").hostname or ""):
-            return 421, f"host {host!r} is not loopback: without a token only loopback is served"
+        problem = self._host_refusal(host)
+        if problem is not None:
+            return 421, problem
         origin = headers.get("origin")
         if origin is not None and urlsplit(origin).netloc.lower() != host.lower():
-            return 403, f"cross-origin requests are refused (Origin {origin!r})"
+            return 403, f"cross-origin requests are refused (Origin {_shown(origin)})"
         has_body = headers.get("content-length", "0") != "0" or "transfer-encoding" in headers
         media_type = headers.get("content-type", "").split(";")[0].strip().lower()
         if has_body and media_type != "application/json":
@@ -170,8 +251,14 @@ class RequestGuard:
         if refusal is None:
             await self.app(scope, receive, send)
             return
-        status, detail = refusal
-        await JSONResponse({"detail": detail}, status_code=status)(scope, receive, send)
+        status, message = refusal
+        body = self.refusal_body(status, message)
+        await JSONResponse(body, status_code=status)(scope, receive, send)
+
+
+def _shown(header: str) -> str:
+    """A header value as a refusal quotes it: its repr, cut at `clip`'s length."""
+    return clip(repr(header))
 
 
 class StrictJsonRoute(APIRoute):
@@ -210,13 +297,22 @@ async def _invalid_request(_request: Request, error: RequestValidationError) -> 
     return JSONResponse({"detail": detail}, status_code=422)
 
 
-def guarded_app(*, token: str | None, **fastapi: Any) -> FastAPI:
-    """A FastAPI app (`fastapi` its arguments) with every guard of the module docstring."""
-    app = FastAPI(**fastapi)
+def guarded_app(
+    *,
+    allowed_hosts: Collection[str] = (),
+    refusal_body: RefusalBody = detail_body,
+    refusal_schema: dict = DETAIL_SCHEMA,
+    **fastapi: Any,
+) -> FastAPI:
+    """A FastAPI app (`fastapi` its arguments) with every guard of the module docstring,
+    serving `Host`s that are loopback or in `allowed_hosts`; the middlewares' refusals are
+    `refusal_body(status, message)`, documented on every operation with `refusal_schema`."""
+    app = FastAPI(responses=refusals(refusal_schema, GUARD_REFUSALS), **fastapi)
     app.router.route_class = StrictJsonRoute
     app.add_exception_handler(RequestValidationError, _invalid_request)
-    app.add_middleware(RequestGuard, loopback_only=token is None)
-    app.add_middleware(BodyLimit)  # outermost: a body too large is refused first
+    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts, refusal_body=refusal_body)
+    # outermost: a body too large is refused first
+    app.add_middleware(BodyLimit, refusal_body=refusal_body)
     return app
 
 

@@ -14,10 +14,29 @@ from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.serving.generation import ChoiceText
 from blocktune.tuner.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["OpenAIError", "Prepared", "ServedModel", "Usage"]
+__all__ = ["OPENAI_ERROR_SCHEMA", "OpenAIError", "Prepared", "ServedModel", "Usage"]
 
 # The id prefix and `object` of each kind of response (OpenAI's).
 OBJECTS = {"completion": ("cmpl", "text_completion"), "chat": ("chatcmpl", "chat.completion")}
+
+
+_NULLABLE_TEXT = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+OPENAI_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": _NULLABLE_TEXT,
+                "code": _NULLABLE_TEXT,
+            },
+        }
+    },
+}
 
 
 class OpenAIError(Exception):
@@ -90,6 +109,13 @@ class ServedModel:
     def decode(self, token_ids: Sequence[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
+    def echo(self, prompt: Sequence[int], param: str) -> str:
+        """The prompt as text for `echo`; ids the tokenizer cannot decode are a 400."""
+        try:
+            return self.decode(prompt)
+        except ValueError as error:
+            raise OpenAIError(400, f"the prompt cannot be echoed: {error}", param=param) from None
+
     def token_text(self, token_id: int) -> str:
         """One token as text (`token_id:N` without a tokenizer, as vLLM writes it)."""
         if self.tokenizer is None:
@@ -156,7 +182,7 @@ class Prepared:
             )
         param = "prompt_ids" if body.prompt_ids is not None else "prompt"
         prompts = [p if isinstance(p, list) else served.encode(p, param) for p in body.prompts()]
-        prefixes = [served.decode(p) if body.echo else "" for p in prompts]
+        prefixes = [served.echo(p, param) if body.echo else "" for p in prompts]
         limits = [served.room(p, body.max_tokens, param) for p in prompts]
         return cls._build("completion", body, served, prompts, limits, prefixes, body.logprobs)
 

@@ -76,6 +76,11 @@ class CompletionRequest(_Sampling):
     (at most `MAX_PROMPTS`; or blocktune's `prompt_ids`), one completion per prompt and
     choice."""
 
+    # What the validator below refuses, said in the schema too.
+    model_config = ConfigDict(
+        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["prompt_ids"]}]}
+    )
+
     prompt: (
         str
         | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
@@ -124,13 +129,26 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+_ROOM_LEFT = (
+    "default: the room left in the context, max_model_len less the prompt (as vLLM does); "
+    "give at most one of max_tokens and max_completion_tokens"
+)
+
+
 class ChatCompletionRequest(_Sampling):
     """`POST /v1/chat/completions`: the messages in the model's chat template. Without
     `max_completion_tokens` (or the older `max_tokens`) the answer may fill the room left."""
 
+    # What the validator below refuses, said in the schema too.
+    model_config = ConfigDict(
+        json_schema_extra={"not": {"required": ["max_tokens", "max_completion_tokens"]}}
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description=f"deprecated by OpenAI; {_ROOM_LEFT}")
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description=f"the most tokens to generate; {_ROOM_LEFT}"
+    )
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
 

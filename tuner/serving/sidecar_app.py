@@ -20,19 +20,25 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from blocktune import __version__
 from blocktune.tuner.config.jsonable import to_jsonable
 from blocktune.tuner.config.policy import ServerSettings
-from blocktune.tuner.serving.http import BearerAuth, guarded_app, server_config
+from blocktune.tuner.serving.http import (
+    DETAIL_SCHEMA,
+    BearerAuth,
+    guarded_app,
+    refusals,
+    server_config,
+)
 from blocktune.tuner.sidecar.sidecar import PushDisabled, Sidecar
 from blocktune.tuner.sidecar.sources import (
     MAX_OBSERVATIONS,
@@ -55,6 +61,16 @@ def _observations_body() -> dict:
     }
     schema = {"anyOf": [items, wrapped]}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+UNAUTHORISED = {401: "a missing or wrong bearer token (when one is configured)"}
+_OBSERVATION_REFUSALS = {
+    **UNAUTHORISED,
+    400: "an empty body, or one that is not standard JSON",
+    403: "push is off in this policy (sources.push: false), or a cross-origin request",
+    413: "more than 10,000 observations, or a body over 1 MiB",
+    422: "an invalid observation: `errors` names each, and nothing was applied",
+}
 
 
 def _json(body: object, status_code: int = 200) -> Response:
@@ -128,8 +144,11 @@ class _SidecarMetrics:
             yield swaps
 
 
-def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI:
-    """The sidecar's FastAPI app; its lifespan starts and stops `sidecar`."""
+def create_sidecar_app(
+    sidecar: Sidecar, *, token: str | None = None, allowed_hosts: Collection[str] = ()
+) -> FastAPI:
+    """The sidecar's FastAPI app; its lifespan starts and stops `sidecar`. Requests must
+    name a loopback host or one of `allowed_hosts` (see `guarded_app`)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -140,7 +159,7 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
             await asyncio.to_thread(sidecar.stop)
 
     app = guarded_app(
-        token=token,
+        allowed_hosts=allowed_hosts,
         title="blocktune sidecar",
         version=__version__,
         description="Watches request lengths and decides the KV block size every interval.",
@@ -154,6 +173,7 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
         "/v1/observations",
         dependencies=[Depends(auth)],
         openapi_extra=_observations_body(),
+        responses=refusals(DETAIL_SCHEMA, _OBSERVATION_REFUSALS),
         summary="Push finished requests into the length window (all or nothing)",
     )
     async def observations(request: Request) -> Response:
@@ -173,7 +193,12 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
     async def recommendation() -> Response:
         return _json(sidecar.recommendation())
 
-    @app.post("/v1/decide", dependencies=[Depends(auth)], summary="Decide now")
+    @app.post(
+        "/v1/decide",
+        dependencies=[Depends(auth)],
+        responses=refusals(DETAIL_SCHEMA, {**UNAUTHORISED, 503: "the decision run failed"}),
+        summary="Decide now",
+    )
     async def decide() -> Response:
         decision = await asyncio.to_thread(sidecar.decide)
         if decision is None:
@@ -185,7 +210,7 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
     async def window() -> Response:
         return _json(sidecar.window_stats())
 
-    @app.get("/metrics", summary="Prometheus metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -193,7 +218,11 @@ def create_sidecar_app(sidecar: Sidecar, *, token: str | None = None) -> FastAPI
     async def healthz() -> Response:
         return _json({"status": "ok"})
 
-    @app.get("/readyz", summary="Scheduler running and a source able to deliver")
+    @app.get(
+        "/readyz",
+        responses=refusals({"type": "object"}, {503: "not ready: the body says what is missing"}),
+        summary="Scheduler running and a source able to deliver",
+    )
     async def readyz() -> Response:
         readiness = await asyncio.to_thread(sidecar.readiness)
         return _json(readiness, 200 if readiness["ready"] else 503)
@@ -205,7 +234,7 @@ def serve_sidecar(
     sidecar: Sidecar, *, host: str, port: int, token: str | None, server: ServerSettings
 ) -> None:
     """Serve `sidecar` with uvicorn until SIGTERM/SIGINT, then stop it (which saves state)."""
-    app = create_sidecar_app(sidecar, token=token)
+    app = create_sidecar_app(sidecar, token=token, allowed_hosts=server.allowed_hosts)
     config = server_config(app, host=host, port=port, server=server)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for
     # the handlers it found; these keep that second delivery from killing the process.

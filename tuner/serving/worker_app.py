@@ -25,14 +25,15 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Collection, Sequence
 
 import httpx
 import uvicorn
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from blocktune.runtime.engine import FinishedRequest, RequestError
@@ -42,8 +43,13 @@ from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.config.policy import ServerSettings
 from blocktune.tuner.operations import log_event
 from blocktune.tuner.serving.generation import Generation
-from blocktune.tuner.serving.http import BearerAuth, guarded_app, server_config
-from blocktune.tuner.serving.openai_api import OpenAIError, Prepared, ServedModel
+from blocktune.tuner.serving.http import BearerAuth, guarded_app, refusals, server_config
+from blocktune.tuner.serving.openai_api import (
+    OPENAI_ERROR_SCHEMA,
+    OpenAIError,
+    Prepared,
+    ServedModel,
+)
 from blocktune.tuner.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 from blocktune.tuner.serving.worker_metrics import WorkerMetrics
 
@@ -145,6 +151,47 @@ class BlockSizeRequest(BaseModel):
     block_size: int
 
 
+def _block_size_request(candidates: Sequence[int]) -> type[BlockSizeRequest]:
+    """`BlockSizeRequest` whose schema lists the worker's candidates (the sizes `_swap` takes)."""
+    sizes = Field(
+        description="one of the candidate block sizes", json_schema_extra={"enum": list(candidates)}
+    )
+    return create_model("BlockSizeRequest", __base__=BlockSizeRequest, block_size=(int, sizes))
+
+
+# What the OpenAPI document says of each refusal (their bodies are OpenAI error objects).
+_GENERATION_REFUSALS = {
+    400: "a request the model cannot serve: a token id outside its vocabulary, a prompt and "
+    "completion over max_model_len, a text prompt without a tokenizer, echo with logprobs",
+    404: "a model other than the one served (code model_not_found)",
+    422: "an invalid field, named by param",
+    503: "the engine failed a step; the requests in it were dropped",
+}
+_GENERATION_ANSWERS = {
+    200: {
+        "description": "the completion; with stream: true, server-sent events of chunks",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            # Each server-sent event: `data` is one chunk's JSON, or `[DONE]` at the end.
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "required": ["data"],
+                }
+            },
+        },
+    },
+    **refusals(OPENAI_ERROR_SCHEMA, _GENERATION_REFUSALS),
+}
+_SWAP_REFUSALS = {
+    401: "a missing or wrong bearer token (when one is configured)",
+    422: "a block size that is not one of the candidates",
+    500: "the swap's commit failed; the engine recovered at the old size",
+    504: "no step boundary within 60 s",
+}
+
+
 def _json(body: dict, status_code: int = 200, headers: dict | None = None) -> Response:
     # ASCII-escaped, so no text (a lone surrogate included) can break the encoding.
     return Response(
@@ -173,6 +220,11 @@ def _validation_error(_: Request, error: RequestValidationError) -> Response:
     message = "; ".join(f"{where}: {what}" for where, what in problems[:5])
     param = problems[0][0] if problems else None
     return _json(OpenAIError(422, message or "invalid request", param=param).body, 422)
+
+
+def _refusal_body(status: int, message: str) -> dict:
+    """A refusal of the guard middlewares as an OpenAI error object."""
+    return OpenAIError(status, message).body
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -250,9 +302,8 @@ async def _swap(loop: EngineLoop, size: int) -> dict:
             f"{list(candidates)}",
             param="block_size",
         )
-    ticket = loop.request_block_size(size)
     try:
-        result: SwapResult = await asyncio.to_thread(ticket.result, 60.0)
+        result: SwapResult = await asyncio.to_thread(loop.swap, size, 60.0)
     except TimeoutError:
         raise HTTPException(status_code=504, detail="no step boundary within 60 s") from None
     except Exception as error:  # the commit itself failed; the engine loop recovered
@@ -268,9 +319,17 @@ def create_worker_app(
     tokenizer: Tokenizer | None,
     token: str | None = None,
     pusher: LengthPusher | None = None,
+    allowed_hosts: Collection[str] = (),
 ) -> FastAPI:
-    """The worker's FastAPI app around a started `EngineLoop` serving `model_name`."""
-    app = guarded_app(token=token, title="blocktune worker", version="1")
+    """The worker's FastAPI app around a started `EngineLoop` serving `model_name`, for
+    requests naming a loopback host or one of `allowed_hosts` (see `guarded_app`)."""
+    app = guarded_app(
+        allowed_hosts=allowed_hosts,
+        refusal_body=_refusal_body,
+        refusal_schema=OPENAI_ERROR_SCHEMA,
+        title="blocktune worker",
+        version="1",
+    )
     _add_error_handlers(app)
     auth = BearerAuth(token)
     served = ServedModel(model_name, tokenizer, loop.engine.max_request_tokens)
@@ -294,33 +353,46 @@ def create_worker_app(
     async def models() -> dict:
         return {"object": "list", "data": [served.card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get(
+        "/v1/models/{model_id:path}",
+        responses=refusals(
+            OPENAI_ERROR_SCHEMA, {404: _GENERATION_REFUSALS[404], 422: "an invalid model id"}
+        ),
+    )
     async def model(model_id: str) -> dict:
         served.check_model(model_id)
         return served.card()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_GENERATION_ANSWERS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepared = Prepared.completion(body, served)
         return await serve(prepared, body.stream, body.include_usage, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_GENERATION_ANSWERS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prepared = Prepared.chat(body, served)
         return await serve(prepared, body.stream, body.include_usage, request)
 
-    @app.post("/admin/block-size", dependencies=[Depends(auth)])
     async def block_size(body: BlockSizeRequest) -> dict:
         return await _swap(loop, body.block_size)
 
-    # Plain functions, so FastAPI runs them on its thread pool: reading the engine's state
-    # waits for the step in progress, which must not stall the event loop.
+    # The body's schema lists this worker's candidates (a class made here, so not by name).
+    block_size.__annotations__["body"] = _block_size_request(
+        loop.engine.config.candidate_block_sizes
+    )
+    app.post(
+        "/admin/block-size",
+        dependencies=[Depends(auth)],
+        responses=refusals(OPENAI_ERROR_SCHEMA, _SWAP_REFUSALS),
+    )(block_size)
+
+    # Both read the state the engine published after its last step: never wait for one.
     @app.get("/admin/state")
-    def state() -> dict:
+    async def state() -> dict:
         return loop.state()
 
-    @app.get("/metrics")
-    def metrics_endpoint() -> Response:
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def metrics_endpoint() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
@@ -344,7 +416,12 @@ def serve_worker(
     """Start `loop` and serve it with uvicorn until SIGINT/SIGTERM, then stop both threads."""
     loop.start()
     app = create_worker_app(
-        loop, model_name=model_name, tokenizer=tokenizer, token=token, pusher=pusher
+        loop,
+        model_name=model_name,
+        tokenizer=tokenizer,
+        token=token,
+        pusher=pusher,
+        allowed_hosts=server.allowed_hosts,
     )
     try:
         uvicorn.Server(server_config(app, host=host, port=port, server=server)).run()

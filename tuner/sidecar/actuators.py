@@ -13,6 +13,8 @@ with exponential backoff; a 4xx answer is final. Asking for the size already in
 force is harmless, so a retry after a lost answer cannot do harm. An answer is
 trusted only as far as it is consistent: a "done" swap to any size but the one
 asked for, or a size in force that is no valid block size, counts as no answer.
+Every field kept from an answer is bounded (a reason is cut at
+`MAX_REASON_CHARS`), so the sidecar's state file stays within its size.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import httpx
-from pydantic import TypeAdapter, ValidationError
+from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, ValidationError
 
 from blocktune.runtime.swap_result import SwapResult
+from blocktune.tuner.config.config_files import clip, format_location
 from blocktune.tuner.config.policy import BlockSize
 
 if TYPE_CHECKING:
@@ -37,6 +40,8 @@ __all__ = ["Actuation", "EngineActuator", "HttpActuator", "SWAP_STATUSES"]
 SWAP_STATUSES = ("done", "rejected", "rolled_back", "failed")
 MAX_BACKOFF_S = 30.0
 STATE_TIMEOUT_S = 5.0
+MAX_REASON_CHARS = 1000  # of a reason the sidecar keeps (a worker's, an error's)
+MAX_PAUSE_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,24 @@ class Actuation(SwapResult):
     at: float = 0.0
 
 
-_SWAP_RESULT = TypeAdapter(SwapResult)
+# An integer of at most 39 digits: any the worker has reason to send, and bounded.
+Integer = Annotated[int, Field(strict=True, gt=-(2**127), lt=2**127)]
+
+
+class _SwapAnswer(BaseModel):
+    """A worker's answer to a swap, every field bounded, so what the sidecar keeps of it
+    fits its state file (the reason is cut at `MAX_REASON_CHARS`)."""
+
+    status: Literal["done", "rejected", "rolled_back"]
+    old_block_size: Integer
+    new_block_size: Integer
+    zero_copy_blocks: Integer = 0
+    copied_blocks: Integer = 0
+    bytes_moved: Integer = 0
+    pause_s: float = Field(0.0, ge=0.0, le=MAX_PAUSE_S, allow_inf_nan=False)
+    reason: Annotated[str, AfterValidator(lambda text: clip(text, MAX_REASON_CHARS))] = ""
+
+
 _BLOCK_SIZE = TypeAdapter(BlockSize)
 
 
@@ -108,16 +130,21 @@ class HttpActuator:
             reason = f"HTTP {response.status_code}: {response.text[:200]}"
             return self._failed(new, old, reason, attempts)
         try:
-            body = _SWAP_RESULT.validate_json(response.content)
+            body = _SwapAnswer.model_validate_json(response.content)
         except ValidationError as error:
-            reason = f"the worker's answer is not a SwapResult: {error.errors()[0]['msg']}"
+            first = error.errors()[0]
+            reason = (
+                f"the worker's answer is not a SwapResult: {format_location(first['loc'])}: "
+                f"{first['msg']}"
+            )
             return self._failed(new, old, reason, attempts)
         if body.status == "done" and body.new_block_size != new:
             reason = f"the worker reports a swap to {body.new_block_size}, not to {new}"
             return self._failed(new, old, reason, attempts)
-        return Actuation(**body.to_dict(), attempts=attempts, target=self.target, at=time.time())
+        return Actuation(**body.model_dump(), attempts=attempts, target=self.target, at=time.time())
 
     def _failed(self, new: int, old: int, reason: str, attempts: int) -> Actuation:
+        reason = clip(reason, MAX_REASON_CHARS)
         return Actuation(
             "failed", old, new, reason=reason, attempts=attempts, target=self.target, at=time.time()
         )

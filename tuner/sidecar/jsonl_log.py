@@ -9,10 +9,12 @@ the rest waits for the next one). It survives
 - rotation (the path now names another file, by device and inode, e.g.
   logrotate's rename): the old file is read to its end, then the new one from
   its start;
-- truncation (copytruncate, or `> file`): the file is shorter than what was
-  read, or its first `HEAD_BYTES` differ from those read before (truncated and
-  rewritten past the old offset between two polls): it is read again from its
-  start;
+- truncation and rewrites in place (copytruncate, `> file`, a file written
+  over): the file is shorter than what was read, or its fingerprint differs
+  from the one taken at the last read (its first `FINGERPRINT_BYTES`, and the
+  `FINGERPRINT_BYTES` before the offset read to), as when it was truncated
+  and written past the old offset between two polls, keeping its first lines
+  or not: it is read again from its start;
 - a missing file: the poll fails (and is counted) until the file appears.
 
 A line that is not standard JSON (see `from_json`: NaN, lone surrogates and
@@ -37,7 +39,7 @@ from blocktune.tuner.sidecar.sources import Observation, Observations, PollingSo
 __all__ = ["JsonlLogFollower"]
 
 MAX_BYTES_PER_POLL = 8 << 20
-HEAD_BYTES = 256
+FINGERPRINT_BYTES = 256
 
 
 class _BadLine(ValueError):
@@ -81,7 +83,7 @@ class JsonlLogFollower(PollingSource):
         self._max_bytes = max_bytes
         self._file = None
         self._partial = b""
-        self._head = b""  # the file's first bytes as read, up to HEAD_BYTES
+        self._fingerprint = b""  # the file's first and last bytes as read (_fingerprint_now)
         self.bad_lines = 0
         self.rotations = 0
         self.truncations = 0
@@ -92,19 +94,19 @@ class JsonlLogFollower(PollingSource):
         self._file = open(self.path, "rb")  # noqa: SIM115 - held open across polls
         if at_end:
             self._file.seek(0, os.SEEK_END)
-        self._partial = self._head = b""
-        self._remember_head()
+        self._partial = b""
+        self._fingerprint = self._fingerprint_now()
 
-    def _remember_head(self) -> None:
-        if len(self._head) < HEAD_BYTES:
-            size = min(HEAD_BYTES, self._file.tell())
-            self._head = os.pread(self._file.fileno(), size, 0)
+    def _fingerprint_now(self) -> bytes:
+        """The file's first `FINGERPRINT_BYTES` and the `FINGERPRINT_BYTES` before the offset
+        read to (fewer in a shorter file), as they are on disk now."""
+        offset, descriptor = self._file.tell(), self._file.fileno()
+        size = min(FINGERPRINT_BYTES, offset)
+        return os.pread(descriptor, size, 0) + os.pread(descriptor, size, offset - size)
 
-    def _truncated(self, size: int) -> bool:
-        """Shorter than what was read, or another head than the one read."""
-        if size < self._file.tell():
-            return True
-        return os.pread(self._file.fileno(), len(self._head), 0) != self._head
+    def _rewritten(self, size: int) -> bool:
+        """Shorter than what was read, or other bytes than those read where they were."""
+        return size < self._file.tell() or self._fingerprint_now() != self._fingerprint
 
     def close(self) -> None:
         if self._file is not None:
@@ -123,10 +125,10 @@ class JsonlLogFollower(PollingSource):
         except FileNotFoundError:
             named = None
         same_file = named is not None and os.path.samestat(named, current)
-        if same_file and self._truncated(named.st_size):
+        if same_file and self._rewritten(named.st_size):
             self.truncations += 1
             self._file.seek(0)
-            self._partial = self._head = b""
+            self._partial = self._fingerprint = b""
         drained = self._read(lines)
         if not same_file and drained:
             if self._partial:
@@ -141,7 +143,7 @@ class JsonlLogFollower(PollingSource):
     def _read(self, lines: list[bytes]) -> bool:
         """Append the complete new lines to `lines`; True when the file was read to its end."""
         chunk = self._file.read(self._max_bytes)
-        self._remember_head()
+        self._fingerprint = self._fingerprint_now()
         data = self._partial + chunk
         *complete, self._partial = data.split(b"\n")
         lines.extend(complete)

@@ -406,11 +406,12 @@ class Sidecar:
     # ------------------------------------------------------------------ state
     def save_state(self) -> None:
         """Write the window and the last decision to the state file (if one is set); a
-        failure is logged and counted (`state_save_failures`), never raised."""
+        failure (a state too large to load back included: the last good file stays) is
+        logged and counted (`state_save_failures`), never raised."""
         if self.state_file is None:
             return
         try:
-            self.state_file.save(self._saved_state())
+            self.state_file.save(self._saved_state(), self.policy)
         except (OSError, ValueError) as error:
             with self._lock:
                 self._save_failures += 1

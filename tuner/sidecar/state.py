@@ -2,14 +2,17 @@
 
 `StateFile.save` writes JSON to a temporary file in the same folder, flushes
 it to disk and renames it over the state file (`os.replace`), so a crash
-leaves either the old state or the new one, never half of one; the
-temporaries a crash leaves behind are removed at the next load. `load` reads
-it back and checks it against the policy: a file that is not standard JSON,
+leaves either the old state or the new one, never half of one; a state
+larger than a load would read is refused (`StateTooLarge`) and the last good
+file stays. The temporaries a crash leaves behind are removed at the next
+load. `load` reads it back and checks it against the policy: a file that is not standard JSON,
 not a valid state, larger than a window of the policy's capacity can be, or
-that does not fit the policy (another deployment, more rows than the window
-holds) is reported (a log line naming the file and the problem) and set aside
-as `FILE.corrupt-<UTC timestamp>`, and the sidecar starts fresh. A state file
-that cannot be read at all (a folder, a path through a file), or a corrupt one
+that does not fit the policy (another deployment, a block size that is not
+one of its candidates, more rows than the window holds) is reported (a log
+line naming the file and the problem) and set aside as
+`FILE.corrupt-<UTC timestamp>`, and the sidecar starts fresh. A state file
+that cannot be read at all (a folder, a FIFO or another file that is not a
+regular one, a path through a file), or a corrupt one
 that cannot be set aside (a read-only folder), raises `StateFileError`: the
 sidecar does not start until an operator looks.
 """
@@ -17,8 +20,10 @@ sidecar does not start until an operator looks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import tempfile
 import threading
 from datetime import datetime, timezone
@@ -40,7 +45,14 @@ from blocktune.tuner.config.jsonable import from_json
 from blocktune.tuner.config.policy import BlockSize, Policy
 from blocktune.tuner.operations import log_event
 
-__all__ = ["STATE_VERSION", "SavedState", "SavedWindow", "StateFile", "StateFileError"]
+__all__ = [
+    "STATE_VERSION",
+    "SavedState",
+    "SavedWindow",
+    "StateFile",
+    "StateFileError",
+    "StateTooLarge",
+]
 
 STATE_VERSION = 1
 BYTES_PER_ROW = 128  # a window row as JSON is at most about 70 bytes
@@ -52,6 +64,10 @@ FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 class StateFileError(ValueError):
     """A state file that can neither be read nor set aside; the message names it and why."""
+
+
+class StateTooLarge(ValueError):
+    """A state that would take more bytes than a load reads; it was not saved."""
 
 
 class _Frozen(BaseModel):
@@ -92,7 +108,8 @@ class SavedState(_Frozen):
     """Everything the sidecar restores at start.
 
     Validated with ``context={"policy": policy}``, the state must also fit that
-    policy: the same deployment, and no more rows than its window holds.
+    policy: the same deployment, block sizes among its candidates, and no more rows
+    than its window holds.
     """
 
     version: Literal[1] = STATE_VERSION
@@ -114,6 +131,13 @@ class SavedState(_Frozen):
             raise ValueError(
                 f"the state is deployment {self.deployment!r}'s, not {policy.deployment!r}'s"
             )
+        for name in ("current_block_size", "recommended_block_size"):
+            size = getattr(self, name)
+            if size is not None and size not in policy.candidates:
+                raise ValueError(
+                    f"the state's {name} {size} is not one of the policy's candidates "
+                    f"{list(policy.candidates)}"
+                )
         rows, capacity = len(self.window.timestamps), policy.window.capacity
         if rows > capacity:
             raise ValueError(f"the window holds {rows} rows, more than its capacity {capacity}")
@@ -128,9 +152,25 @@ class StateFile:
         self.set_aside_as: Path | None = None  # where the last corrupt file went
         self._lock = threading.Lock()
 
-    def save(self, state: SavedState) -> None:
-        """Write `state` atomically (temporary file in the same folder, fsync, rename)."""
+    @staticmethod
+    def byte_limit(policy: Policy) -> int:
+        """The most bytes a state file of `policy` may take: what its window's rows and the
+        last decision need."""
+        return BYTES_BESIDE_ROWS + BYTES_PER_ROW * policy.window.capacity
+
+    def save(self, state: SavedState, policy: Policy) -> None:
+        """Write `state` atomically (temporary file in the same folder, fsync, rename).
+
+        Raises `StateTooLarge`, writing nothing, when it would take more bytes than `load`
+        reads for `policy` (the last good file stays).
+        """
         data = state.model_dump_json().encode("utf-8")
+        limit = self.byte_limit(policy)
+        if len(data) > limit:
+            raise StateTooLarge(
+                f"{self.path}: the state takes {len(data)} bytes, over the {limit} a state "
+                f"file of a {policy.window.capacity}-row window may take; not saved"
+            )
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             handle, temporary = tempfile.mkstemp(
@@ -156,12 +196,11 @@ class StateFile:
         Raises `StateFileError` when the file cannot be read or set aside.
         """
         capacity = policy.window.capacity
-        limit = BYTES_BESIDE_ROWS + BYTES_PER_ROW * capacity
+        limit = self.byte_limit(policy)
         with self._lock:
             self._remove_temporaries()
             try:
-                with self.path.open("rb") as handle:
-                    data = handle.read(limit + 1)
+                data = self._read(limit + 1)
             except FileNotFoundError:
                 return None
             except OSError as error:
@@ -177,6 +216,18 @@ class StateFile:
                     problem = _describe(error)
             self._set_aside(problem)
             return None
+
+    def _read(self, most: int) -> bytes:
+        """Up to `most` bytes of the file; `OSError` unless it is a regular file (opened
+        without blocking, so a FIFO cannot hang the start)."""
+        descriptor = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(descriptor, "rb") as handle:
+            mode = os.fstat(descriptor).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
+            if not stat.S_ISREG(mode):
+                raise OSError(errno.EINVAL, "not a regular file (a FIFO, socket or device)")
+            return handle.read(most)
 
     def _remove_temporaries(self) -> None:
         """Remove the temporaries of saves that a crash interrupted (one sidecar per file)."""

@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from blocktune.tuner.cli import main
+from blocktune.tuner.cli import build_parser, main
+from blocktune.tuner.cli._common import with_allowed_hosts
 from blocktune.tuner.config.config_files import ConfigError
 from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.operations import NotReady, free_port, wait_until_ready
@@ -21,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[3]
 DEFAULT = ROOT / "policies" / "default.yaml"
 
 
-def start(port: int, state: Path, env: dict) -> subprocess.Popen:
+def start(port: int, state: Path, env: dict, *flags: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "blocktune.tuner.cli", "serve", "--policy", str(DEFAULT)]
-    command += ["--port", str(port), "--state-file", str(state)]
+    command += ["--port", str(port), "--state-file", str(state), *flags]
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -139,6 +140,16 @@ def test_policy_sidecar_sections_and_their_defaults(tmp_path):
             "fixes its block size",
         ),
         ("auth: {token: abc}\n", "auth.token", "Extra inputs"),
+        (
+            "server: {allowed_hosts: ['http://x:80']}\n",
+            "server.allowed_hosts[0]",
+            "without scheme or port",
+        ),
+        (
+            "server: {allowed_hosts: [a.b, '[fd00:::1::]']}\n",
+            "server.allowed_hosts[1]",
+            "not an IPv6 address",
+        ),
     ],
 )
 def test_policy_check_covers_the_sidecar_sections(tmp_path, capsys, extra, key, message):
@@ -149,3 +160,31 @@ def test_policy_check_covers_the_sidecar_sections(tmp_path, capsys, extra, key, 
     assert main(["policy", "check", str(path)]) == 1
     out = capsys.readouterr().out
     assert f": {key}" in out and message in out
+
+
+def test_allowed_hosts_from_the_policy_and_the_flag(tmp_path):
+    path = tmp_path / "p.yaml"
+    hosts = "server: {allowed_hosts: [Tuner.Internal, '[FD00:0::1]', 10.0.0.5]}\n"
+    path.write_text(DEFAULT.read_text() + hosts)
+    server = load_policy(path).server
+    assert server.allowed_hosts == ("tuner.internal", "fd00::1", "10.0.0.5")
+    args = build_parser().parse_args(
+        ["worker", "--allowed-host", "Proxy.Example", "--allowed-host", "[::2]"]
+    )
+    assert with_allowed_hosts(server, args).allowed_hosts == ("proxy.example", "::2")
+    assert with_allowed_hosts(server, build_parser().parse_args(["worker"])) == server
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--policy", "p", "--allowed-host", "a.b:80"])
+
+
+def test_serve_answers_the_hosts_it_is_told_to(tmp_path):
+    env = {**os.environ, "BLOCKTUNE_TOKEN": "t0k3n"}
+    port = free_port()
+    process = start(port, tmp_path / "state.json", env, "--allowed-host", "tuner.internal")
+    try:
+        url = f"http://127.0.0.1:{port}/v1/window"
+        assert httpx.get(url, headers={"host": f"tuner.internal:{port}"}).status_code == 200
+        assert httpx.get(url, headers={"host": "evil.example"}).status_code == 421
+    finally:
+        code, _ = stop(process, signal.SIGTERM)
+    assert code == 0

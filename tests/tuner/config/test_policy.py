@@ -168,6 +168,27 @@ def test_policy_check_command(tmp_path, capsys):
     assert "block sizes [4]" in out[2]
 
 
+def test_policy_check_cuts_every_echoed_value(tmp_path, capsys):
+    huge = "x" * 5_000_000
+    text = (
+        GOOD.replace("dtype: bfloat16", f"dtype: {huge}")
+        + f"unknown_key: {huge}\n"
+        + f"{'k' * 1000}: 1\n"
+        + f"interval: {huge}\n"
+    )
+    assert main(["policy", "check", str(write(tmp_path, text))]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4 and all(len(line) < 700 for line in out), [len(line) for line in out]
+    by_key = {line.split(": ")[1]: line for line in out}
+    assert by_key["unknown_key"].endswith(f"(got '{'x' * 79}… (4999922 more))")
+    assert (
+        "model.dtype: Input should be 'float32', 'float16', 'bfloat16' or 'float8'"
+        in (by_key["model.dtype"])
+    )
+    assert f"{'k' * 80}… (920 more)" in by_key
+    assert "interval: expected a duration" in by_key["interval"] and "more)" in by_key["interval"]
+
+
 def test_bundled_policies_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
     from blocktune.tuner.config.policy import bundled_policies, policy_path
 

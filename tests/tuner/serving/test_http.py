@@ -12,7 +12,7 @@ from blocktune.runtime.engine import Engine, EngineConfig
 from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.loading import load_weights
 from blocktune.tuner.config.policy import ServerSettings, load_policy
-from blocktune.tuner.serving.http import guarded_app
+from blocktune.tuner.serving.http import guarded_app, host_name
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.serving.worker_app import create_worker_app
 from blocktune.tuner.sidecar.sidecar import Sidecar
@@ -61,7 +61,7 @@ def test_a_body_not_declared_json_is_refused(service, headers):
     url, path, body, applied = service
     response = httpx.post(url + path, content=body, headers=headers)
     assert response.status_code == 415
-    assert "Content-Type: application/json" in response.json()["detail"]
+    assert "Content-Type: application/json" in refusal(response)
     assert applied() == 0
     assert httpx.post(url + path, content=body, headers=JSON).status_code == 200
     assert applied() == 1
@@ -71,21 +71,110 @@ def test_a_body_not_declared_json_is_refused(service, headers):
 def test_a_foreign_origin_is_refused_and_the_own_one_served(service, origin):
     url, path, body, applied = service
     response = httpx.post(url + path, content=body, headers={**JSON, "origin": origin})
-    assert response.status_code == 403 and origin in response.json()["detail"]
+    assert response.status_code == 403 and origin in refusal(response)
     assert httpx.get(f"{url}/healthz", headers={"origin": origin}).status_code == 403
     assert applied() == 0
     own = httpx.post(url + path, content=body, headers={**JSON, "origin": url})
     assert own.status_code == 200 and applied() == 1
 
 
-def test_without_a_token_only_loopback_host_names_are_served(service, live_server):
+def test_only_loopback_host_names_are_served_by_default(service):
     url, *_ = service
     rebound = httpx.get(f"{url}/healthz", headers={"host": "evil.example:8787"})
-    assert rebound.status_code == 421 and "evil.example" in rebound.json()["detail"]
-    for host in ("localhost:1", "127.0.0.1", "[::1]:8787"):
+    assert rebound.status_code == 421 and "evil.example" in refusal(rebound)
+    for host in ("localhost:1", "127.0.0.1", "[::1]:8787", "LOCALHOST"):
         assert httpx.get(f"{url}/healthz", headers={"host": host}).status_code == 200
-    with live_server(create_sidecar_app(Sidecar(POLICY), token="t")) as protected:
-        assert httpx.get(f"{protected}/healthz", headers={"host": "sidecar.internal"}).is_success
+
+
+REBOUND = {**JSON, "host": "evil.example:8000", "origin": "http://evil.example:8000"}
+
+
+def test_a_rebound_host_is_refused_even_with_a_token(engine_loop, live_server):
+    """A page of a rebound name reads nothing, token or not: the token guards mutations only."""
+    worker = create_worker_app(engine_loop, model_name="tiny-random", tokenizer=None, token="t")
+    with live_server(worker) as url:
+        done = engine_loop.state()["completed"]
+        completion = httpx.post(f"{url}/v1/completions", content=COMPLETION, headers=REBOUND)
+        assert completion.status_code == 421 and "evil.example" in refusal(completion)
+        assert httpx.get(f"{url}/admin/state", headers=REBOUND).status_code == 421
+        assert engine_loop.state()["completed"] == done
+        own = httpx.post(f"{url}/v1/completions", content=COMPLETION, headers=JSON)
+        assert own.status_code == 200
+    with live_server(create_sidecar_app(Sidecar(POLICY), token="t")) as url:
+        for path in ("/v1/recommendation", "/v1/window", "/metrics"):
+            assert httpx.get(url + path, headers=REBOUND).status_code == 421, path
+        assert httpx.get(f"{url}/v1/window").status_code == 200
+
+
+def test_a_deployment_names_its_allowed_hosts(live_server):
+    app = create_sidecar_app(Sidecar(POLICY), token="t", allowed_hosts=["sidecar.internal"])
+    with live_server(app) as url:
+        for host in ("sidecar.internal", "Sidecar.Internal:8787"):
+            assert httpx.get(f"{url}/v1/window", headers={"host": host}).status_code == 200
+        other = httpx.get(f"{url}/v1/window", headers={"host": "other.internal"})
+        assert other.status_code == 421 and "--allowed-host" in refusal(other)
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "evil.example@127.0.0.1",
+        "evil.example\\@127.0.0.1",
+        "evil.example@127.0.0.1:8787",
+        "127.0.0.1/evil",
+        "127.0.0.1:80:80",
+        "127.0.0.1:x",
+        "[::1",
+        "[evil.example]",
+        "",
+    ],
+)
+def test_a_host_header_that_is_no_host_and_port_is_refused(host, live_server):
+    sidecar = Sidecar(POLICY)
+    with live_server(create_sidecar_app(sidecar)) as url:
+        response = httpx.post(
+            f"{url}/v1/observations", content=OBSERVATION, headers={**JSON, "host": host}
+        )
+        assert response.status_code == 421 and "not a host[:port]" in refusal(response)
+    assert len(sidecar.window) == 0
+
+
+@pytest.mark.parametrize(
+    ("header", "name"),
+    [
+        ("127.0.0.1:8787", "127.0.0.1"),
+        ("LocalHost", "localhost"),
+        ("[::1]:80", "::1"),
+        ("[0:0::1]", "::1"),
+        ("a-b.example:", "a-b.example"),
+        ("evil.example@127.0.0.1", None),
+        ("evil.example\\@127.0.0.1", None),
+        ("user:pw@localhost", None),
+        ("host name", None),
+        ("%zz", None),
+    ],
+)
+def test_host_name_parses_rfc_9110_hosts(header, name):
+    assert host_name(header) == name
+
+
+def test_the_worker_guards_refuse_with_openai_error_objects(engine_loop, live_server):
+    with live_server(
+        create_worker_app(engine_loop, model_name="tiny-random", tokenizer=None)
+    ) as url:
+        answers = {
+            413: httpx.post(f"{url}/v1/completions", content=b" " * (2 << 20), headers=JSON),
+            415: httpx.post(f"{url}/v1/completions", content=COMPLETION),
+            403: httpx.post(
+                f"{url}/v1/completions", content=COMPLETION, headers={**JSON, "origin": "null"}
+            ),
+            421: httpx.get(f"{url}/v1/models", headers={"host": "evil.example"}),
+        }
+    for status, response in answers.items():
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}, status
+        assert error["type"] == "invalid_request_error" and error["message"], status
 
 
 @pytest.mark.parametrize(
@@ -173,7 +262,7 @@ def test_an_idle_keep_alive_connection_is_closed_after_keep_alive(live_server):
 
 
 def test_an_answer_that_takes_longer_than_the_read_timeout_is_not_cut(live_server):
-    app = guarded_app(token=None)
+    app = guarded_app()
 
     @app.post("/slow")
     async def slow(body: dict) -> dict:

@@ -2,6 +2,7 @@
 
 import concurrent.futures
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -292,3 +293,40 @@ def test_worker_command_takes_its_pool_candidates_and_token_env_from_a_policy(tm
     policy.write_text("deployment: x\nbogus: 1\n")
     assert main(["worker", "--policy", str(policy)]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_monitoring_answers_while_a_step_is_in_progress(model, live_server):
+    """`/metrics` and `/admin/state` answer from the state published after the last step, not
+    after the step in progress: here one held until both have answered."""
+    engine = _engine(model)
+    entered, release = threading.Event(), threading.Event()
+    step = engine.step
+
+    def slow_step():
+        if engine.has_unfinished():
+            entered.set()
+            release.wait(60)
+        return step()
+
+    engine.step = slow_step
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        with live_server(_app(loop)) as url:
+            body = {"prompt_ids": [1, 2, 3], "max_tokens": 2, "temperature": 0}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                completion = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+                assert entered.wait(30)
+                metrics = httpx.get(f"{url}/metrics", timeout=10)
+                state = httpx.get(f"{url}/admin/state", timeout=10)
+                assert not completion.done()  # the step was still held
+                release.set()
+                assert completion.result().status_code == 200
+        assert metrics.status_code == 200 and "blocktune_worker_block_size" in metrics.text
+        assert state.status_code == 200 and state.json()["block_size"] == 8
+        # As published after the request was admitted, before the step that was held.
+        assert state.json()["waiting"] == 1 and state.json()["completed"] == 0
+    finally:
+        release.set()
+        loop.stop()
+    assert loop.state()["completed"] == 1 and loop.state()["steps"] >= 2

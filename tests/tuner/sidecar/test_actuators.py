@@ -17,6 +17,7 @@ from blocktune.tuner.serving.http import BearerAuth
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.actuators import HttpActuator
 from blocktune.tuner.sidecar.sidecar import Sidecar, SidecarConfigError
+from blocktune.tuner.sidecar.state import StateFile
 
 # The default policy with a KV budget small enough to fill (384 token slots): there the block
 # size matters, and a promotion burst's short requests serve best at B=8.
@@ -46,7 +47,9 @@ def fake_worker(state: dict) -> FastAPI:
             "copied_blocks": 0,
             "bytes_moved": 0,
             "pause_s": 0.002,
-            "reason": "" if state["status"] == "done" else "request 3 may hold 900 tokens",
+            "reason": state.get(
+                "reason", "" if state["status"] == "done" else "request 3 may hold 900 tokens"
+            ),
         }
 
     @app.get("/admin/state")
@@ -126,6 +129,25 @@ def test_a_rejected_swap_is_recorded_and_no_switch_is(live_server, monkeypatch):
             # No dwell started: the next interval tries again.
             assert httpx.post(f"{url}/v1/decide").json()["switch"] is True
             assert len(worker["calls"]) == 2
+
+
+def test_a_reason_of_megabytes_is_cut_and_the_state_loads_back(live_server, monkeypatch, tmp_path):
+    monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
+    worker = {"calls": [], "fail": 0, "status": "rolled_back", "block_size": 16}
+    worker["reason"] = "r" * 3_000_000
+    path = tmp_path / "state.json"
+    with live_server(fake_worker(worker)) as worker_url:
+        policy = enforcing(worker_url)
+        sidecar = Sidecar(policy, state_file=path)
+        sidecar.push(short_requests(400))
+        assert sidecar.decide() is not None
+        reason = sidecar.last_actuation["reason"]
+        assert reason == "r" * 1000 + "… (2999000 more)"
+        assert sidecar.metrics()["state_save_failures"] == 0
+    assert path.stat().st_size <= StateFile.byte_limit(policy)
+    restored = Sidecar(policy, state_file=path)
+    assert len(restored.window) == 400 and restored.last_actuation["reason"] == reason
+    assert list(tmp_path.iterdir()) == [path]  # nothing set aside
 
 
 def test_http_actuator_final_and_exhausted_failures(live_server):

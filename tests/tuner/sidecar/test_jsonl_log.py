@@ -154,6 +154,24 @@ def test_a_truncation_rewritten_past_the_old_offset_is_read_from_its_start(tmp_p
     follower.close()
 
 
+def test_a_rewrite_in_place_that_keeps_the_first_lines_is_read_from_its_start(tmp_path, settings):
+    log = tmp_path / "requests.jsonl"
+    first = [line(n, 1, finished_at=float(n)) for n in range(1, 21)]  # well over 256 bytes
+    append(log, *first, *[line(7, 7, finished_at=100.0)] * 480)
+    sink = Received()
+    follower = JsonlLogFollower(settings, sink, base=tmp_path)
+    assert follower.poll() == 500
+    # Between two polls, written over in place (same inode): the same first 20 lines, then
+    # 520 other ones, so the file is longer than what was read.
+    with log.open("r+", encoding="utf-8") as out:
+        out.write("\n".join([*first, *[line(9, 9, finished_at=200.0)] * 520]) + "\n")
+    assert follower.poll() == 540 and follower.truncations == 1
+    assert sink.lengths()[500:] == [(n, 1) for n in range(1, 21)] + [(9, 9)] * 520
+    append(log, line(5, 5))
+    assert follower.poll() == 1 and follower.truncations == 1
+    follower.close()
+
+
 def test_starts_at_the_end_of_an_existing_log_by_default(tmp_path, settings):
     log = tmp_path / "requests.jsonl"
     append(log, line(1, 1), line(2, 2))

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from blocktune.tuner.config.policy import WindowSettings, load_policy
 from blocktune.tuner.sidecar import state as state_module
 from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import Observations
-from blocktune.tuner.sidecar.state import StateFileError
+from blocktune.tuner.sidecar.state import StateFile, StateFileError, StateTooLarge
 
 DEFAULT = Path(__file__).resolve().parents[3] / "policies" / "default.yaml"
 POLICY = load_policy(DEFAULT)
@@ -62,6 +63,9 @@ def test_deeply_nested_json_is_set_aside(tmp_path):
     ("change", "value"),
     [
         ("current_block_size", 2**40),
+        ("current_block_size", 256),  # powers of two, but not among the candidates
+        ("current_block_size", 65536),
+        ("recommended_block_size", 4),
         ("deployment", "another-deployment"),
         ("saved_at", float("nan")),
         ("last_switch_at", float("inf")),
@@ -91,15 +95,21 @@ def test_a_window_larger_than_the_policy_holds_is_set_aside(tmp_path, rows, capl
     assert ("more than its capacity 100" if rows == 200 else "over 1061376 bytes") in problem
 
 
-@pytest.mark.parametrize("where", ["a folder", "under a file"])
+@pytest.mark.parametrize("where", ["a folder", "a FIFO", "under a file"])
 def test_an_unreadable_state_path_is_one_clear_error(tmp_path, capsys, where):
+    """Not a regular file: one line and exit 2, at once (a FIFO opened to read would wait for
+    a writer forever)."""
     if where == "a folder":
         path, expected = tmp_path / "state.json", "Is a directory"
         path.mkdir()
+    elif where == "a FIFO":
+        path, expected = tmp_path / "state.json", "not a regular file (a FIFO, socket or device)"
+        os.mkfifo(path)
     else:
         (tmp_path / "file").write_text("")
         path, expected = tmp_path / "file" / "state.json", "Not a directory"
-    with pytest.raises(StateFileError, match=f"{path}: cannot read the state file: {expected}"):
+    message = f"{path}: cannot read the state file: {expected}"
+    with pytest.raises(StateFileError, match=re.escape(message)):
         Sidecar(POLICY, state_file=path)
     assert main(["serve", "--policy", str(DEFAULT), "--state-file", str(path)]) == 2
     error = capsys.readouterr().err
@@ -157,3 +167,21 @@ def test_failed_saves_are_counted_and_the_sidecar_keeps_deciding(tmp_path):
     sidecar.save_state()
     assert json.loads(path.read_text())["window"]["observed_total"] == 300
     assert sidecar.metrics()["state_save_failures"] == 2
+
+
+def test_a_state_too_large_to_load_back_is_not_saved_and_the_last_good_file_stays(tmp_path, caplog):
+    path = tmp_path / "state.json"
+    sidecar = Sidecar(POLICY, state_file=path)
+    observe(sidecar, 400)
+    sidecar.save_state()
+    good = path.read_bytes()
+    huge = sidecar._saved_state().model_copy(update={"recommendation": {"x": "y" * 2_000_000}})
+    with pytest.raises(StateTooLarge, match="over the 1176576 a state file of a 1000-row"):
+        StateFile(path).save(huge, POLICY)
+    sidecar._saved_state = lambda: huge  # a state that somehow grew past the limit
+    with caplog.at_level("INFO", logger="blocktune.sidecar"):
+        sidecar.save_state()
+    assert sidecar.metrics()["state_save_failures"] == 1
+    assert "state_save_failed" in caplog.text and "not saved" in caplog.text
+    assert path.read_bytes() == good and sorted(tmp_path.iterdir()) == [path]
+    assert len(Sidecar(POLICY, state_file=path).window) == 400
