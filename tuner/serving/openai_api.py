@@ -81,7 +81,7 @@ class ServedModel:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self._need_tokenizer("a chat", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.template_role, "content": m.text()} for m in body.messages]
         try:
             return tokenizer.apply_chat_template(messages)
         except ValueError as error:
@@ -117,6 +117,50 @@ class ServedModel:
         return room if max_tokens is None else max_tokens
 
 
+SUPPORTED_FORMAT = {"type": "text"}
+
+
+def _refuse_unserved(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """400 for what the protocol accepts but this server does not serve."""
+    if body.response_format is not None and body.response_format != SUPPORTED_FORMAT:
+        kind = body.response_format.get("type")
+        raise OpenAIError(
+            400,
+            f"response_format {kind!r} is not supported; the only format is "
+            '{"type": "text"} (no JSON mode or structured outputs)',
+            param="response_format",
+        )
+    if body.best_of is not None and body.best_of != body.n:
+        raise OpenAIError(
+            400,
+            f"best_of {body.best_of} with n {body.n} is not supported: each request "
+            "generates exactly the n choices it returns (best_of may only equal n)",
+            param="best_of",
+        )
+
+
+def _refuse_tools(body: ChatCompletionRequest) -> None:
+    """400 for tool calling, which this server does not do."""
+    if body.tools:
+        raise OpenAIError(
+            400, "tools (function calling) are not supported by this server", param="tools"
+        )
+    if body.tool_choice not in (None, "none", "auto"):
+        raise OpenAIError(
+            400,
+            f"tool_choice {body.tool_choice!r} needs tools, which this server does not support",
+            param="tool_choice",
+        )
+    for index, message in enumerate(body.messages):
+        if message.role == "tool":
+            raise OpenAIError(
+                400,
+                "a tool message answers a tool call, and this server makes none "
+                "(tools are not supported)",
+                param=f"messages.{index}.role",
+            )
+
+
 @dataclass
 class Usage:
     """Token counts: each prompt once, every choice's tokens."""
@@ -148,6 +192,7 @@ class Prepared:
     @classmethod
     def completion(cls, body: CompletionRequest, served: ServedModel) -> Prepared:
         served.check_model(body.model)
+        _refuse_unserved(body)
         if body.echo and body.logprobs is not None:
             raise OpenAIError(
                 400,
@@ -163,6 +208,8 @@ class Prepared:
     @classmethod
     def chat(cls, body: ChatCompletionRequest, served: ServedModel) -> Prepared:
         served.check_model(body.model)
+        _refuse_unserved(body)
+        _refuse_tools(body)
         prompt = served.chat_prompt(body)
         limit = served.room(prompt, body.completion_limit, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
@@ -177,8 +224,16 @@ class Prepared:
                     max_tokens=limit,
                     temperature=body.temperature,
                     top_p=body.top_p,
+                    top_k=max(body.top_k, 0),
+                    min_p=body.min_p,
                     seed=None if body.seed is None else body.seed + j,
                     stop_token_ids=tuple(body.stop_token_ids),
+                    ignore_eos=body.ignore_eos,
+                    min_tokens=min(body.min_tokens, limit),
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    logit_bias=body.token_bias(),
                     logprobs=top_logprobs,
                 )
                 jobs.append((prompt, params))
@@ -212,8 +267,11 @@ class Prepared:
             choices.append({**item, "token_ids": choice.token_ids})  # blocktune's extension
         return {**self._envelope(False), "choices": choices, "usage": self.usage().to_dict()}
 
-    def chunk(self, index: int, delta: str, logprobs: list[TokenLogprob], first: bool) -> dict:
-        """A streamed chunk: choice `index`'s new text (and its end when it has ended)."""
+    def chunk(
+        self, index: int, delta: str, logprobs: list[TokenLogprob], first: bool, usage: bool
+    ) -> dict:
+        """A streamed chunk: choice `index`'s new text (and its end when it has ended); with
+        `usage`, the token counts so far (vLLM's `continuous_usage_stats`)."""
         choice = self.choices[index]
         item = {"index": index, "finish_reason": choice.finish_reason}
         tokens = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
@@ -222,7 +280,10 @@ class Prepared:
             item["text"] = delta
         else:
             item["delta"] = {"role": "assistant", "content": delta} if first else {"content": delta}
-        return {**self._envelope(True), "choices": [item]}
+        out = {**self._envelope(True), "choices": [item]}
+        if usage:
+            out["usage"] = self.usage().to_dict()
+        return out
 
     def usage_chunk(self) -> dict:
         return {**self._envelope(True), "choices": [], "usage": self.usage().to_dict()}
