@@ -143,7 +143,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What a step produced for one request (`logprob` of the new token when asked for)."""
+    """What a step produced for one request (`logprob` of the new token when asked for;
+    in a request's first output, `prompt_logprobs` of its prompt tokens after the first)."""
 
     request_id: int
     new_token_ids: list[int]
@@ -151,6 +152,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ class _Request:
     output: list[int] = field(default_factory=list)
     row: int | None = None
     prefill_left: int = 0  # tokens of the admitted context whose K/V are not computed yet
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -273,9 +276,19 @@ class Engine:
             seed = params.seed if params.seed is not None else torch.seed()
             generator = torch.Generator().manual_seed(seed)
         request = _Request(request_id, prompt, params, time.monotonic(), generator)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
         self._requests[request_id] = request
         self._waiting.append(request)
         return request_id
+
+    def _prompt_logprobs(self, prompt: list[int], top: int) -> tuple[TokenLogprob, ...]:
+        """Each prompt token's log-probability after the ones before it, from one dense pass
+        over the prompt (asked for rarely: the prompt's KV is computed again when it is
+        scheduled, and cached prefix blocks are never rewritten)."""
+        device = self.model.device
+        logits = self.model.forward_dense(torch.tensor(prompt, device=device))
+        return tuple(_logprob(logits[i], prompt[i + 1], top) for i in range(len(prompt) - 1))
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         limit = self.config.max_model_len
@@ -604,8 +617,15 @@ class Engine:
         if reason is not None:
             self._finish(request, reason)
         logprob = None if params.logprobs is None else _logprob(logits, token, params.logprobs)
+        prompt_logprobs = request.prompt_logprobs if len(request.output) == 1 else None
         return RequestOutput(
-            request.id, [token], list(request.output), reason is not None, reason, logprob
+            request.id,
+            [token],
+            list(request.output),
+            reason is not None,
+            reason,
+            logprob,
+            prompt_logprobs,
         )
 
     def _finish(self, request: _Request, reason: str) -> None:

@@ -37,8 +37,9 @@ class SamplingParams:
 
     A request stops at any of `stop_token_ids` and, unless `ignore_eos`, at the model's EOS
     ids, but never before `min_tokens`. With `logprobs` set, each output carries the sampled
-    token's log-probability under the model and the `logprobs` most likely tokens'.
-    `top_k` 0 keeps every token. See the module docstring for the order of the steps.
+    token's log-probability under the model and the `logprobs` most likely tokens'; with
+    `prompt_logprobs` set, the first output also carries each prompt token's (after the
+    first). `top_k` 0 keeps every token. See the module docstring for the order of the steps.
     """
 
     max_tokens: int = 16
@@ -55,6 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -90,8 +92,10 @@ class SamplingParams:
             out.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             out.append(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= vocab_size:
-            out.append(f"logprobs must be in [0, {vocab_size}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= vocab_size:
+                out.append(f"{name} must be in [0, {vocab_size}], got {value}")
         for token in (*self.logit_bias, *self.stop_token_ids):
             if not 0 <= token < vocab_size:
                 out.append(f"token id {token} is outside the vocabulary [0, {vocab_size})")

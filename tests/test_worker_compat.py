@@ -5,6 +5,7 @@ send the field, else as raw JSON."""
 
 import httpx
 import pytest
+import torch
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.engine_loop import EngineLoop
@@ -211,3 +212,27 @@ def test_a_bias_outside_the_vocabulary_is_a_400(worker, loaded):
     response = httpx.post(f"{worker}/v1/completions", json=body)
     assert response.status_code == 400
     assert "outside the vocabulary" in response.json()["error"]["message"]
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(client, loaded):
+    prompt = "Once upon"
+    ids = loaded.tokenizer.encode(prompt)
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
+    scored = client.completions.create(**kwargs, echo=True)
+    choice = scored.choices[0]
+    generated = client.completions.create(**kwargs).choices[0]
+    assert choice.text == prompt + generated.text
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(ids) + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[len(ids) :] == generated.logprobs.token_logprobs
+    dense = loaded.model.forward_dense(torch.tensor(ids)).log_softmax(-1)
+    for position in range(1, len(ids)):
+        expected = float(dense[position - 1, ids[position]])
+        assert logprobs.token_logprobs[position] == pytest.approx(expected, abs=1e-4)
+        assert len(logprobs.top_logprobs[position]) <= 2
+    assert logprobs.text_offset[0] == 0
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+    streamed = client.completions.create(**kwargs, echo=True, stream=True)
+    tokens = [t for chunk in streamed for t in chunk.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens

@@ -135,6 +135,7 @@ class ChoiceText:
     prefix: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
@@ -145,6 +146,8 @@ class ChoiceText:
     def feed(self, output: RequestOutput) -> str:
         """Take one output; returns the text to send now (sets `finish_reason` at the end)."""
         self.token_ids.extend(output.new_token_ids)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = list(output.prompt_logprobs)
         if output.logprob is not None:
             self.logprobs.append(output.logprob)
         if self.decoder is not None:

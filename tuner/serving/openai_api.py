@@ -193,17 +193,14 @@ class Prepared:
     def completion(cls, body: CompletionRequest, served: ServedModel) -> Prepared:
         served.check_model(body.model)
         _refuse_unserved(body)
-        if body.echo and body.logprobs is not None:
-            raise OpenAIError(
-                400,
-                "echo with logprobs (the prompt's log-probabilities) is not supported",
-                param="echo",
-            )
         param = "prompt_ids" if body.prompt_ids is not None else "prompt"
         prompts = [p if isinstance(p, list) else served.encode(p, param) for p in body.prompts()]
         prefixes = [served.decode(p) if body.echo else "" for p in prompts]
         limits = [served.room(p, body.max_tokens, param) for p in prompts]
-        return cls._build("completion", body, served, prompts, limits, prefixes, body.logprobs)
+        scored = body.logprobs if body.echo else None  # the prompt's log-probabilities too
+        return cls._build(
+            "completion", body, served, prompts, limits, prefixes, body.logprobs, scored
+        )
 
     @classmethod
     def chat(cls, body: ChatCompletionRequest, served: ServedModel) -> Prepared:
@@ -216,7 +213,9 @@ class Prepared:
         return cls._build("chat", body, served, [prompt], [limit], [""], top)
 
     @classmethod
-    def _build(cls, kind, body, served, prompts, limits, prefixes, top_logprobs) -> Prepared:
+    def _build(
+        cls, kind, body, served, prompts, limits, prefixes, top_logprobs, prompt_logprobs=None
+    ) -> Prepared:
         jobs, choices = [], []
         for prompt, limit, prefix in zip(prompts, limits, prefixes, strict=True):
             for j in range(body.n):
@@ -235,6 +234,7 @@ class Prepared:
                     repetition_penalty=body.repetition_penalty,
                     logit_bias=body.token_bias(),
                     logprobs=top_logprobs,
+                    prompt_logprobs=prompt_logprobs,
                 )
                 jobs.append((prompt, params))
                 decoder = None if served.tokenizer is None else served.tokenizer.decoder()
@@ -259,7 +259,7 @@ class Prepared:
         choices = []
         for index, choice in enumerate(self.choices):
             item = {"index": index, "finish_reason": choice.finish_reason}
-            item["logprobs"] = self._logprobs(choice.token_ids, choice.logprobs, choice.prefix)
+            item["logprobs"] = self._logprobs(index, choice.token_ids, choice.logprobs, True)
             if self.kind == "completion":
                 item["text"] = choice.text
             else:
@@ -275,7 +275,7 @@ class Prepared:
         choice = self.choices[index]
         item = {"index": index, "finish_reason": choice.finish_reason}
         tokens = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
-        item["logprobs"] = self._logprobs(tokens, logprobs, "") if logprobs else None
+        item["logprobs"] = self._logprobs(index, tokens, logprobs, first) if logprobs else None
         if self.kind == "completion":
             item["text"] = delta
         else:
@@ -289,22 +289,34 @@ class Prepared:
         return {**self._envelope(True), "choices": [], "usage": self.usage().to_dict()}
 
     def _logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprob], prefix: str
+        self, index: int, token_ids: list[int], logprobs: list[TokenLogprob], first: bool
     ) -> dict | None:
+        """Choice `index`'s log-probabilities of `token_ids`; for a completion's `first`
+        part with `echo`, the prompt's come first (the first prompt token has none)."""
         if self.top_logprobs is None:
             return None
         texts = [self.served.token_text(t) for t in token_ids]
         if self.kind == "chat":
             pairs = zip(texts, logprobs, strict=True)
             return {"content": [self._chat_logprob(text, lp) for text, lp in pairs]}
-        offsets, at = [], len(prefix)
+        choice = self.choices[index]
+        values = [lp.logprob for lp in logprobs]
+        tops = [self._top_by_text(lp) for lp in logprobs]
+        at = len(choice.prefix) if first else 0
+        if first and choice.prompt_logprobs:
+            prompt = self.jobs[index][0]
+            texts = [self.served.token_text(t) for t in prompt] + texts
+            values = [None] + [lp.logprob for lp in choice.prompt_logprobs] + values
+            tops = [None] + [self._top_by_text(lp) for lp in choice.prompt_logprobs] + tops
+            at = 0
+        offsets = []
         for text in texts:
             offsets.append(at)
             at += len(text)
         return {
             "tokens": texts,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [self._top_by_text(lp) for lp in logprobs],
+            "token_logprobs": values,
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 
