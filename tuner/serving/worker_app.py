@@ -326,7 +326,7 @@ def create_worker_app(
     def state() -> dict:
         return loop.state()
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])  # tools probe it with HEAD
     def metrics_endpoint() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
@@ -334,7 +334,7 @@ def create_worker_app(
     async def healthz() -> dict:
         return {"status": "ok"}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """As vLLM answers it: 200 and no body while the engine serves, else 503."""
         if loop.running:
