@@ -17,7 +17,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH_VERSION)
 TORCH_INDEX := $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL),)
 
-.PHONY: install demo test test-fast format bench clean
+.PHONY: install demo test test-fast format bench bench-clients clean
 
 install: $(STAMP)
 
@@ -52,4 +52,18 @@ bench: $(STAMP)
 	$(BIN)/python bench/block_manager.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(CLIENTS_VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
+
+# guidellm and aiperf, each in its own venv (never the project's), against the worker with SmolLM2.
+CLIENTS_VENV ?= .venv-clients
+CLIENT_guidellm := guidellm==0.8.1
+CLIENT_aiperf := aiperf==0.13.0
+
+$(CLIENTS_VENV)/%/.installed:
+	test -x $(CLIENTS_VENV)/$*/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)/$*
+	$(CLIENTS_VENV)/$*/bin/pip install --quiet --disable-pip-version-check "$(CLIENT_$*)"
+	touch $@
+
+bench-clients: $(STAMP) $(CLIENTS_VENV)/guidellm/.installed $(CLIENTS_VENV)/aiperf/.installed
+	$(BIN)/python bench/clients.py --guidellm $(CLIENTS_VENV)/guidellm/bin/guidellm \
+		--aiperf $(CLIENTS_VENV)/aiperf/bin/aiperf

@@ -53,6 +53,7 @@ from blocktune.runtime.hot_swap import (
 )
 from blocktune.runtime.kv_cache import KVCache, slots_for_budget
 from blocktune.runtime.model import LlamaModel
+from blocktune.runtime.sampling import SamplingParams, next_token_distribution
 
 __all__ = [
     "Engine",
@@ -134,24 +135,6 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class SamplingParams:
-    """How to pick tokens: greedy at temperature 0, else top-p sampling from a seeded generator.
-
-    A request stops at any of `stop_token_ids` and, unless `ignore_eos`, at the model's EOS ids.
-    With `logprobs` set, each output carries the sampled token's log-probability under the
-    model (before temperature and top-p) and the `logprobs` most likely tokens'.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-
-@dataclass(frozen=True)
 class TokenLogprob:
     """A sampled token's log-probability and the most likely tokens at its position."""
 
@@ -161,7 +144,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What a step produced for one request (`logprob` of the new token when asked for)."""
+    """What a step produced for one request (`logprob` of the new token when asked for;
+    in a request's first output, `prompt_logprobs` of its prompt tokens after the first)."""
 
     request_id: int
     new_token_ids: list[int]
@@ -169,6 +153,7 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None = None
     logprob: TokenLogprob | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -193,6 +178,7 @@ class _Request:
     output: list[int] = field(default_factory=list)
     row: int | None = None
     prefill_left: int = 0  # tokens of the admitted context whose K/V are not computed yet
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -287,13 +273,23 @@ class Engine:
         self._validate(prompt, params)
         request_id = next(self._ids)
         generator = None
-        if params.temperature > 0:
+        if not params.greedy:
             seed = params.seed if params.seed is not None else torch.seed()
             generator = torch.Generator().manual_seed(seed)
         request = _Request(request_id, prompt, params, time.monotonic(), generator)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
         self._requests[request_id] = request
         self._waiting.append(request)
         return request_id
+
+    def _prompt_logprobs(self, prompt: list[int], top: int) -> tuple[TokenLogprob, ...]:
+        """Each prompt token's log-probability after the ones before it, from one dense pass
+        over the prompt (asked for rarely: the prompt's KV is computed again when it is
+        scheduled, and cached prefix blocks are never rewritten)."""
+        device = self.model.device
+        logits = self.model.forward_dense(torch.tensor(prompt, device=device))
+        return tuple(_logprob(logits[i], prompt[i + 1], top) for i in range(len(prompt) - 1))
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         limit = self.config.max_model_len
@@ -307,16 +303,9 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if params.max_tokens < 1:
-            raise RequestError(f"max_tokens must be at least 1, got {params.max_tokens}")
-        if params.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {params.temperature}")
-        if not 0 < params.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {params.top_p}")
-        if params.seed is not None and not 0 <= params.seed < 2**63:
-            raise RequestError(f"seed must be in [0, 2**63), got {params.seed}")
-        if params.logprobs is not None and not 0 <= params.logprobs <= vocab:
-            raise RequestError(f"logprobs must be in [0, {vocab}], got {params.logprobs}")
+        problems = params.problems(vocab)
+        if problems:
+            raise RequestError(problems[0])
         stored = self._max_stored_tokens(len(prompt), params)
         needed = -(-stored // self.block_size)
         if needed > self.blocks.num_blocks:
@@ -345,6 +334,16 @@ class Engine:
         else:
             self._running.remove(request)
             self._release(request)
+        return True
+
+    def stop(self, request_id: int) -> bool:
+        """End a request now as finished with reason "stop" (it met a stop string, which the
+        engine does not see): its blocks are freed and listeners hear of it, as of any
+        finished request. False if it is unknown or already done."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, "stop")
         return True
 
     def has_unfinished(self) -> bool:
@@ -584,34 +583,32 @@ class Engine:
 
     # ------------------------------------------------------------------ sampling
     def _sample_batch(self, batch: list[_Request], logits: torch.Tensor) -> list[int]:
-        if all(r.params.temperature == 0 for r in batch):
+        if all(r.params.greedy and not r.params.adjusts_logits for r in batch):
             return logits.argmax(dim=-1).tolist()
-        return [self._sample(r, logits[i : i + 1])[0] for i, r in enumerate(batch)]
+        return [self._sample(r, logits[i]) for i, r in enumerate(batch)]
 
-    @staticmethod
-    def _sample(request: _Request, logits: torch.Tensor) -> list[int]:
+    def _sample(self, request: _Request, logits: torch.Tensor) -> int:
         params = request.params
-        if params.temperature == 0:
-            return logits.argmax(dim=-1).tolist()
-        # In float64 and relative to the largest logit, so a tiny temperature gives a
-        # one-hot distribution instead of inf/inf = NaN.
-        logits = logits.double().cpu()
-        probs = ((logits - logits.max(dim=-1, keepdim=True).values) / params.temperature).softmax(
-            -1
+        if params.greedy and not params.adjusts_logits:
+            return int(logits.argmax())
+        probs = next_token_distribution(
+            logits,
+            params,
+            prompt=request.prompt,
+            output=request.output,
+            eos_token_ids=self.model.config.eos_token_ids,
         )
-        if params.top_p < 1:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            keep = sorted_probs.cumsum(dim=-1) - sorted_probs < params.top_p
-            sorted_probs = sorted_probs * keep
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        return torch.multinomial(probs, 1, generator=request.generator)[:, 0].tolist()
+        if params.greedy:
+            return int(probs.argmax())
+        return int(torch.multinomial(probs, 1, generator=request.generator))
 
     def _accept(self, request: _Request, token: int, logits: torch.Tensor) -> RequestOutput:
         request.output.append(token)
         params = request.params
         reason = None
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.model.config.eos_token_ids
+        if len(request.output) > params.min_tokens - 1 and (
+            token in params.stop_token_ids
+            or (not params.ignore_eos and token in self.model.config.eos_token_ids)
         ):
             reason = "stop"
         elif len(request.output) >= params.max_tokens or (
@@ -621,13 +618,23 @@ class Engine:
         if reason is not None:
             self._finish(request, reason)
         logprob = None if params.logprobs is None else _logprob(logits, token, params.logprobs)
+        prompt_logprobs = request.prompt_logprobs if len(request.output) == 1 else None
         return RequestOutput(
-            request.id, [token], list(request.output), reason is not None, reason, logprob
+            request.id,
+            [token],
+            list(request.output),
+            reason is not None,
+            reason,
+            logprob,
+            prompt_logprobs,
         )
 
     def _finish(self, request: _Request, reason: str) -> None:
-        self._running.remove(request)
-        self._release(request)
+        if request.row is None:  # preempted, waiting to be recomputed
+            self._waiting.remove(request)
+        else:
+            self._running.remove(request)
+            self._release(request)
         del self._requests[request.id]
         record = FinishedRequest(
             request.id,

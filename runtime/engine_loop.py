@@ -73,6 +73,11 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=10)
 
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is serving (started and not stopped)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def submit(self, prompt: list[int], params: SamplingParams, emit) -> Job:
         """Queue a completion; `emit` gets its outputs (see `Job`)."""
         job = Job(prompt, params, emit)
@@ -81,8 +86,13 @@ class EngineLoop:
         return job
 
     def cancel(self, job: Job) -> None:
-        """Drop a job that has not finished (its client left, or it met a stop string)."""
+        """Drop a job that has not finished (its client left)."""
         self._inbox.put(("cancel", job))
+        self._wake.set()
+
+    def stop_job(self, job: Job) -> None:
+        """End a job early as finished, not cancelled (its choice met a stop string)."""
+        self._inbox.put(("stop", job))
         self._wake.set()
 
     def request_block_size(self, block_size: int):
@@ -193,8 +203,15 @@ class EngineLoop:
                     continue
                 self._jobs[item.request_id] = item
             else:
-                _, job = item
-                if job.request_id is not None and self._jobs.pop(job.request_id, None):
-                    with self._lock:
+                action, job = item
+                if job.request_id is None or not self._jobs.pop(job.request_id, None):
+                    continue
+                with self._lock:
+                    if action == "stop":
+                        self.engine.stop(job.request_id)
+                    else:
                         self.engine.cancel(job.request_id)
+                if action == "stop":
+                    self.counters.completed += 1
+                else:
                     self.counters.cancelled += 1

@@ -92,6 +92,13 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._backend.chat_template
 
+    def save_pretrained(self, folder: Path) -> None:
+        """Write the tokenizer as a Hugging Face tokenizer folder, for tools that count
+        tokens with transformers (the byte-level tokenizer has no such form)."""
+        if isinstance(self._backend, _ByteLevel):
+            raise ValueError("the byte-level tokenizer cannot be saved as a Hugging Face folder")
+        self._backend.save_pretrained(str(folder))
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the model's BOS (or other added tokens) by default.
 

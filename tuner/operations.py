@@ -33,9 +33,12 @@ def token_from_env(name: str | None) -> str | None:
     return os.environ.get(name) or None
 
 
-def log_event(logger: logging.Logger, event: str, **fields: object) -> None:
-    """One structured log line: `{"ts": ..., "event": ..., **fields}` as JSON."""
-    logger.info(json.dumps({"ts": round(time.time(), 3), "event": event, **fields}, default=str))
+def log_event(
+    logger: logging.Logger, event: str, *, level: int = logging.INFO, **fields: object
+) -> None:
+    """One structured log line at `level`: `{"ts": ..., "event": ..., **fields}` as JSON."""
+    line = json.dumps({"ts": round(time.time(), 3), "event": event, **fields}, default=str)
+    logger.log(level, line)
 
 
 def free_port() -> int:

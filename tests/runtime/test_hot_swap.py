@@ -226,7 +226,12 @@ def test_random_workloads_with_random_swaps_keep_every_token(
     config = {"num_blocks": num_blocks, "enable_prefix_caching": prefix, "max_model_len": 64}
     expected, _, _ = _serve(model, prompts, cancel=cancel, **config)
     tokens, results, _ = _serve(model, prompts, swaps=swaps, cancel=cancel, **config)
-    assert tokens == expected
+    # A swap changes the schedule, so a cancel at a fixed step may find a request finished in
+    # one run and running in the other; every other request finishes with the same tokens.
+    for index, (got, want) in enumerate(zip(tokens, expected, strict=True)):
+        if index in cancel.values() and None in (got, want):
+            continue
+        assert got == want, index
     assert all(r.status in ("done", "rejected") for r in results)
 
 

@@ -111,8 +111,10 @@ def register(commands: argparse._SubParsersAction) -> None:
             "An HTTP worker around blocktune's continuous-batching engine with an "
             "OpenAI-compatible API: GET /v1/models, POST /v1/completions and "
             "/v1/chat/completions (streaming with stream: true); POST /admin/block-size "
-            "(bearer token), GET /admin/state, /metrics (Prometheus) and /healthz. With "
-            "--sidecar, finished request lengths are pushed to a blocktune sidecar."
+            "(bearer token), GET /admin/state, /metrics (Prometheus: vLLM's metric names "
+            "and blocktune's own), /health (as vLLM answers it) and /healthz. With "
+            "--sidecar, finished request lengths are pushed to a blocktune sidecar. "
+            "docs/serving.md lists what the API accepts."
         ),
     )
     add_engine_arguments(parser, max_num_seqs=64, block_size_from_policy=True)

@@ -26,7 +26,9 @@ __all__ = ["ChoiceText", "Generation"]
 @dataclass
 class _Timing:
     prompt_tokens: int
+    max_tokens: int
     last_s: float
+    first_s: float = 0.0
     tokens: int = 0
     open: bool = True
 
@@ -44,7 +46,9 @@ class Generation:
         self._metrics = metrics
         self._queue: asyncio.Queue = asyncio.Queue()
         self.arrival_s = time.monotonic()
-        self._timing = [_Timing(len(prompt), self.arrival_s) for prompt, _ in jobs]
+        self._timing = [
+            _Timing(len(prompt), params.max_tokens, self.arrival_s) for prompt, params in jobs
+        ]
         events = asyncio.get_running_loop()
 
         def emitter(index: int):
@@ -71,12 +75,15 @@ class Generation:
                 if not timing.open:
                     continue
                 if isinstance(outcome, Exception):
+                    timing.open = False  # ended in the engine: neither finished nor aborted
                     raise outcome
                 self._metrics.token(
                     since_s=at - timing.last_s,
                     first=timing.tokens == 0,
                     prompt_tokens=timing.prompt_tokens,
                 )
+                if timing.tokens == 0:
+                    timing.first_s = at
                 timing.tokens += 1
                 timing.last_s = at
                 yield index, outcome
@@ -84,25 +91,32 @@ class Generation:
             self.cancel()
 
     def finish(self, index: int, reason: str) -> None:
-        """Choice `index` ended with `reason`: record it, and stop its job if it still runs
-        (the choice met a stop string)."""
+        """Choice `index` ended with `reason`: record it, and end its job as finished if it
+        still runs (the choice met a stop string)."""
         timing = self._timing[index]
         if timing.open:
-            self._loop.cancel(self._jobs[index])
+            self._loop.stop_job(self._jobs[index])
         timing.open = False
-        self._metrics.finished(
-            reason=reason,
-            prompt_tokens=timing.prompt_tokens,
-            generation_tokens=timing.tokens,
-            latency_s=timing.last_s - self.arrival_s,
-        )
+        self._record(timing, reason, timing.last_s)
 
     def cancel(self) -> None:
-        """Stop every job that still runs (the client went away)."""
+        """Stop every job that still runs (the client went away): each counts as aborted."""
+        now = time.monotonic()
         for job, timing in zip(self._jobs, self._timing, strict=True):
             if timing.open:
                 timing.open = False
                 self._loop.cancel(job)
+                self._record(timing, "abort", now)
+
+    def _record(self, timing: _Timing, reason: str, end_s: float) -> None:
+        self._metrics.finished(
+            reason=reason,
+            prompt_tokens=timing.prompt_tokens,
+            generation_tokens=timing.tokens,
+            latency_s=end_s - self.arrival_s,
+            decode_s=timing.last_s - timing.first_s if timing.tokens else 0.0,
+            max_tokens=timing.max_tokens,
+        )
 
 
 @dataclass
@@ -121,6 +135,7 @@ class ChoiceText:
     prefix: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
@@ -131,6 +146,8 @@ class ChoiceText:
     def feed(self, output: RequestOutput) -> str:
         """Take one output; returns the text to send now (sets `finish_reason` at the end)."""
         self.token_ids.extend(output.new_token_ids)
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = list(output.prompt_logprobs)
         if output.logprob is not None:
             self.logprobs.append(output.logprob)
         if self.decoder is not None:

@@ -100,7 +100,7 @@ class ServedModel:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self._need_tokenizer("a chat", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.template_role, "content": m.text()} for m in body.messages]
         try:
             return tokenizer.apply_chat_template(messages)
         except ValueError as error:
@@ -143,6 +143,50 @@ class ServedModel:
         return room if max_tokens is None else max_tokens
 
 
+SUPPORTED_FORMAT = {"type": "text"}
+
+
+def _refuse_unserved(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """400 for what the protocol accepts but this server does not serve."""
+    if body.response_format is not None and body.response_format != SUPPORTED_FORMAT:
+        kind = body.response_format.get("type")
+        raise OpenAIError(
+            400,
+            f"response_format {kind!r} is not supported; the only format is "
+            '{"type": "text"} (no JSON mode or structured outputs)',
+            param="response_format",
+        )
+    if body.best_of is not None and body.best_of != body.n:
+        raise OpenAIError(
+            400,
+            f"best_of {body.best_of} with n {body.n} is not supported: each request "
+            "generates exactly the n choices it returns (best_of may only equal n)",
+            param="best_of",
+        )
+
+
+def _refuse_tools(body: ChatCompletionRequest) -> None:
+    """400 for tool calling, which this server does not do."""
+    if body.tools:
+        raise OpenAIError(
+            400, "tools (function calling) are not supported by this server", param="tools"
+        )
+    if body.tool_choice not in (None, "none", "auto"):
+        raise OpenAIError(
+            400,
+            f"tool_choice {body.tool_choice!r} needs tools, which this server does not support",
+            param="tool_choice",
+        )
+    for index, message in enumerate(body.messages):
+        if message.role == "tool":
+            raise OpenAIError(
+                400,
+                "a tool message answers a tool call, and this server makes none "
+                "(tools are not supported)",
+                param=f"messages.{index}.role",
+            )
+
+
 @dataclass
 class Usage:
     """Token counts: each prompt once, every choice's tokens."""
@@ -174,28 +218,30 @@ class Prepared:
     @classmethod
     def completion(cls, body: CompletionRequest, served: ServedModel) -> Prepared:
         served.check_model(body.model)
-        if body.echo and body.logprobs is not None:
-            raise OpenAIError(
-                400,
-                "echo with logprobs (the prompt's log-probabilities) is not supported",
-                param="echo",
-            )
+        _refuse_unserved(body)
         param = "prompt_ids" if body.prompt_ids is not None else "prompt"
         prompts = [p if isinstance(p, list) else served.encode(p, param) for p in body.prompts()]
         prefixes = [served.echo(p, param) if body.echo else "" for p in prompts]
         limits = [served.room(p, body.max_tokens, param) for p in prompts]
-        return cls._build("completion", body, served, prompts, limits, prefixes, body.logprobs)
+        scored = body.logprobs if body.echo else None  # the prompt's log-probabilities too
+        return cls._build(
+            "completion", body, served, prompts, limits, prefixes, body.logprobs, scored
+        )
 
     @classmethod
     def chat(cls, body: ChatCompletionRequest, served: ServedModel) -> Prepared:
         served.check_model(body.model)
+        _refuse_unserved(body)
+        _refuse_tools(body)
         prompt = served.chat_prompt(body)
         limit = served.room(prompt, body.completion_limit, "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         return cls._build("chat", body, served, [prompt], [limit], [""], top)
 
     @classmethod
-    def _build(cls, kind, body, served, prompts, limits, prefixes, top_logprobs) -> Prepared:
+    def _build(
+        cls, kind, body, served, prompts, limits, prefixes, top_logprobs, prompt_logprobs=None
+    ) -> Prepared:
         jobs, choices = [], []
         for prompt, limit, prefix in zip(prompts, limits, prefixes, strict=True):
             for j in range(body.n):
@@ -203,9 +249,18 @@ class Prepared:
                     max_tokens=limit,
                     temperature=body.temperature,
                     top_p=body.top_p,
+                    top_k=max(body.top_k, 0),
+                    min_p=body.min_p,
                     seed=None if body.seed is None else body.seed + j,
                     stop_token_ids=tuple(body.stop_token_ids),
+                    ignore_eos=body.ignore_eos,
+                    min_tokens=min(body.min_tokens, limit),
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    logit_bias=body.token_bias(),
                     logprobs=top_logprobs,
+                    prompt_logprobs=prompt_logprobs,
                 )
                 jobs.append((prompt, params))
                 decoder = None if served.tokenizer is None else served.tokenizer.decoder()
@@ -230,7 +285,7 @@ class Prepared:
         choices = []
         for index, choice in enumerate(self.choices):
             item = {"index": index, "finish_reason": choice.finish_reason}
-            item["logprobs"] = self._logprobs(choice.token_ids, choice.logprobs, choice.prefix)
+            item["logprobs"] = self._logprobs(index, choice.token_ids, choice.logprobs, True)
             if self.kind == "completion":
                 item["text"] = choice.text
             else:
@@ -238,38 +293,56 @@ class Prepared:
             choices.append({**item, "token_ids": choice.token_ids})  # blocktune's extension
         return {**self._envelope(False), "choices": choices, "usage": self.usage().to_dict()}
 
-    def chunk(self, index: int, delta: str, logprobs: list[TokenLogprob], first: bool) -> dict:
-        """A streamed chunk: choice `index`'s new text (and its end when it has ended)."""
+    def chunk(
+        self, index: int, delta: str, logprobs: list[TokenLogprob], first: bool, usage: bool
+    ) -> dict:
+        """A streamed chunk: choice `index`'s new text (and its end when it has ended); with
+        `usage`, the token counts so far (vLLM's `continuous_usage_stats`)."""
         choice = self.choices[index]
         item = {"index": index, "finish_reason": choice.finish_reason}
         tokens = choice.token_ids[len(choice.token_ids) - len(logprobs) :]
-        item["logprobs"] = self._logprobs(tokens, logprobs, "") if logprobs else None
+        item["logprobs"] = self._logprobs(index, tokens, logprobs, first) if logprobs else None
         if self.kind == "completion":
             item["text"] = delta
         else:
             item["delta"] = {"role": "assistant", "content": delta} if first else {"content": delta}
-        return {**self._envelope(True), "choices": [item]}
+        out = {**self._envelope(True), "choices": [item]}
+        if usage:
+            out["usage"] = self.usage().to_dict()
+        return out
 
     def usage_chunk(self) -> dict:
         return {**self._envelope(True), "choices": [], "usage": self.usage().to_dict()}
 
     def _logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprob], prefix: str
+        self, index: int, token_ids: list[int], logprobs: list[TokenLogprob], first: bool
     ) -> dict | None:
+        """Choice `index`'s log-probabilities of `token_ids`; for a completion's `first`
+        part with `echo`, the prompt's come first (the first prompt token has none)."""
         if self.top_logprobs is None:
             return None
         texts = [self.served.token_text(t) for t in token_ids]
         if self.kind == "chat":
             pairs = zip(texts, logprobs, strict=True)
             return {"content": [self._chat_logprob(text, lp) for text, lp in pairs]}
-        offsets, at = [], len(prefix)
+        choice = self.choices[index]
+        values = [lp.logprob for lp in logprobs]
+        tops = [self._top_by_text(lp) for lp in logprobs]
+        at = len(choice.prefix) if first else 0
+        if first and choice.prompt_logprobs:
+            prompt = self.jobs[index][0]
+            texts = [self.served.token_text(t) for t in prompt] + texts
+            values = [None] + [lp.logprob for lp in choice.prompt_logprobs] + values
+            tops = [None] + [self._top_by_text(lp) for lp in choice.prompt_logprobs] + tops
+            at = 0
+        offsets = []
         for text in texts:
             offsets.append(at)
             at += len(text)
         return {
             "tokens": texts,
-            "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [self._top_by_text(lp) for lp in logprobs],
+            "token_logprobs": values,
+            "top_logprobs": tops,
             "text_offset": offsets,
         }
 

@@ -2,16 +2,23 @@
 
 Strict means no coercion: `"16"`, `3.0` and `true` are not integers, `["1"]`
 is not a list of token ids, NaN and infinity are not numbers, and unknown
-fields are refused, so a typo never passes silently. Fields and defaults
-follow OpenAI's API (temperature 1, 16 completion tokens); `prompt_ids` and
-`stop_token_ids` are blocktune's extensions (the second is vLLM's too).
+fields are refused, so a typo never passes silently. `null` stands for the
+default of any optional field, as in OpenAI's API. Fields and defaults follow
+OpenAI's API (temperature 1, 16 completion tokens); vLLM's sampling extras
+(`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
+`stop_token_ids`, `stream_options.continuous_usage_stats`) are accepted with
+vLLM's meaning, and `prompt_ids` is blocktune's. Fields that only steer
+OpenAI's platform (`user`, `store`, `metadata`, `parallel_tool_calls`,
+`service_tier`) are accepted and ignored. What is accepted but not served
+(`tools`, a `response_format` other than text, `best_of` above `n`) is refused
+with a 400 that says so when the request is prepared (`openai_api`).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "ChatCompletionRequest",
@@ -27,19 +34,31 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limit for /v1/chat/completions
 
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on the tokens one logit_bias names
+
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopText = Annotated[str, Field(min_length=1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
 
 class StreamOptions(_Strict):
-    """`stream_options`: with `include_usage`, a last chunk carries the token counts."""
+    """`stream_options`: with `include_usage`, a last chunk carries the token counts; with
+    vLLM's `continuous_usage_stats`, every chunk carries the counts so far."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _Sampling(_Strict):
@@ -48,27 +67,51 @@ class _Sampling(_Strict):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(0, ge=-1, description="vLLM's: keep the k likeliest; 0 or -1 keeps all")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] = []
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Accepted and ignored: they steer OpenAI's platform, not the completion.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {value}")
+        return bias
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self):
+    def _consistent_sampling(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
+
+    def token_bias(self) -> dict[int, float]:
+        return {int(token): value for token, value in (self.logit_bias or {}).items()}
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
 
 
 class CompletionRequest(_Sampling):
@@ -118,10 +161,19 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    """One message of a conversation."""
+    """One message of a conversation. `developer` is OpenAI's newer name for `system`; a
+    `name` is accepted and not shown to the model; `tool` messages answer tool calls, which
+    this server does not make (refused when the request is prepared)."""
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @property
+    def template_role(self) -> str:
+        """The role as the chat template knows it."""
+        return "system" if self.role == "developer" else self.role
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -151,6 +203,9 @@ class ChatCompletionRequest(_Sampling):
     )
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted and ignored, as without tools
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:

@@ -135,6 +135,14 @@ class _SidecarMetrics:
         for source, count in sorted(m["source_errors"].items()):
             errors.add_metric([source], count)
         yield errors
+        unobserved = CounterMetricFamily(
+            "blocktune_source_unobserved_polls",
+            "polls that saw requests finish on the server but yielded no observation, by source",
+            labels=["source"],
+        )
+        for source, count in sorted(m["source_unobserved_polls"].items()):
+            unobserved.add_metric([source], count)
+        yield unobserved
         if m["swaps"] is not None:
             swaps = CounterMetricFamily(
                 "blocktune_swaps", "block-size swaps asked of the actuator", labels=["status"]

@@ -6,7 +6,8 @@
 | `POST /v1/completions` | text or token-id prompts; streams server-sent events with `stream` |
 | `POST /v1/chat/completions` | messages in the model's chat template; streams too |
 | `POST /admin/block-size` | swap the KV block size at the next step boundary (token) |
-| `GET /admin/state`, `/metrics`, `/healthz` | engine state, Prometheus, liveness |
+| `GET /admin/state`, `/metrics` | engine state, Prometheus (vLLM's names and blocktune's) |
+| `GET /health`, `/healthz` | vLLM's health check (503 when the engine is down), liveness |
 
 One thread (`EngineLoop`) owns the engine and runs its steps; HTTP handlers
 hand it requests, cancellations and swap requests, and stream its outputs
@@ -50,7 +51,11 @@ from blocktune.tuner.serving.openai_api import (
     Prepared,
     ServedModel,
 )
-from blocktune.tuner.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from blocktune.tuner.serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    StreamOptions,
+)
 from blocktune.tuner.serving.worker_metrics import WorkerMetrics
 
 __all__ = ["LengthPusher", "create_worker_app", "serve_worker"]
@@ -253,14 +258,16 @@ async def _choices(prepared: Prepared, generation: Generation):
         yield index, delta, [output.logprob] if output.logprob is not None else []
 
 
-async def _stream(prepared: Prepared, first: tuple, rest, include_usage: bool):
-    """Server-sent events: a chunk per output that says something, then usage and [DONE]."""
+async def _stream(prepared: Prepared, first: tuple, rest, usage: StreamOptions | None):
+    """Server-sent events: a chunk per output that says something (with the usage so far
+    under `continuous_usage_stats`), then usage (`include_usage`) and [DONE]."""
     started: set[int] = set()
+    continuous = usage is not None and usage.continuous_usage_stats
 
     def chunk(index: int, delta: str, logprobs: list) -> str:
         is_first = index not in started
         started.add(index)
-        return _sse(prepared.chunk(index, delta, logprobs, is_first))
+        return _sse(prepared.chunk(index, delta, logprobs, is_first, continuous))
 
     yield chunk(*first)
     try:
@@ -269,7 +276,7 @@ async def _stream(prepared: Prepared, first: tuple, rest, include_usage: bool):
                 yield chunk(index, delta, logprobs)
     except (RequestError, EngineStepFailed) as error:
         yield _sse(_refusal(error).body)
-    if include_usage:
+    if usage is not None and usage.include_usage:
         yield _sse(prepared.usage_chunk())
     yield _sse("[DONE]")
 
@@ -335,17 +342,17 @@ def create_worker_app(
     served = ServedModel(model_name, tokenizer, loop.engine.max_request_tokens)
     metrics = WorkerMetrics(model_name, loop, pusher)
 
-    async def serve(prepared: Prepared, stream: bool, include_usage: bool, request: Request):
+    async def serve(prepared: Prepared, body: CompletionRequest | ChatCompletionRequest, request):
         choices = _choices(prepared, Generation(loop, prepared.jobs, metrics))
         try:
-            if stream:  # a refusal before the first token is still an HTTP error
+            if body.stream:  # a refusal before the first token is still an HTTP error
                 first = await anext(choices)
             else:
                 await _unless_gone(_drain(choices), request)
         except (RequestError, EngineStepFailed) as error:
             raise _refusal(error) from None
-        if stream:
-            events = _stream(prepared, first, choices, include_usage)
+        if body.stream:
+            events = _stream(prepared, first, choices, body.stream_options)
             return StreamingResponse(events, media_type="text/event-stream")
         return _json(prepared.response())
 
@@ -366,12 +373,12 @@ def create_worker_app(
     @app.post("/v1/completions", responses=_GENERATION_ANSWERS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         prepared = Prepared.completion(body, served)
-        return await serve(prepared, body.stream, body.include_usage, request)
+        return await serve(prepared, body, request)
 
     @app.post("/v1/chat/completions", responses=_GENERATION_ANSWERS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         prepared = Prepared.chat(body, served)
-        return await serve(prepared, body.stream, body.include_usage, request)
+        return await serve(prepared, body, request)
 
     async def block_size(body: BlockSizeRequest) -> dict:
         return await _swap(loop, body.block_size)
@@ -391,13 +398,30 @@ def create_worker_app(
     async def state() -> dict:
         return loop.state()
 
+    # Tools probe /metrics and /health with HEAD.
     @app.get("/metrics", response_class=PlainTextResponse)
+    @app.head("/metrics", include_in_schema=False)
     async def metrics_endpoint() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     async def healthz() -> dict:
         return {"status": "ok"}
+
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "the engine serves (no body)", "content": {}},
+            **refusals(OPENAI_ERROR_SCHEMA, {503: "the engine is not running"}),
+        },
+    )
+    @app.head("/health", include_in_schema=False)
+    async def health() -> Response:
+        """As vLLM answers it: 200 and no body while the engine serves, else 503."""
+        if loop.running:
+            return Response(status_code=200)
+        raise OpenAIError(503, "the engine is not running", type="server_error")
 
     return app
 

@@ -401,6 +401,9 @@ class Sidecar:
             {} if decision is None else {c.block_size: c.padding_ratio for c in decision.candidates}
         )
         out["source_errors"] = {name: s.errors for name, s in self.statuses.items()}
+        out["source_unobserved_polls"] = {
+            name: s.unobserved_polls for name, s in self.statuses.items()
+        }
         return out
 
     # ------------------------------------------------------------------ state

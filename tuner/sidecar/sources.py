@@ -162,6 +162,7 @@ class SourceStatus:
         self.polls = 0
         self.errors = 0
         self.samples = 0
+        self.unobserved_polls = 0
         self.last_ok: bool | None = None
         self.last_error: str | None = None
         self.last_poll_at: float | None = None
@@ -187,6 +188,11 @@ class SourceStatus:
             self.errors += count
             self.last_error = error
 
+    def unobserved(self) -> None:
+        """A poll that saw requests finish on the server but yielded no observation."""
+        with self._lock:
+            self.unobserved_polls += 1
+
     def to_dict(self) -> dict:
         with self._lock:
             return {
@@ -194,6 +200,7 @@ class SourceStatus:
                 "polls": self.polls,
                 "errors": self.errors,
                 "samples": self.samples,
+                "unobserved_polls": self.unobserved_polls,
                 "last_ok": self.last_ok,
                 "last_error": self.last_error,
                 "last_poll_at": self.last_poll_at,

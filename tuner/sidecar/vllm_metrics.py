@@ -27,10 +27,17 @@ prometheus_client's text parser and turned into length samples:
    (bounded) for the next scrape.
 4. The pairs get timestamps spread evenly over the time since the previous
    scrape, so the window's token rate is the server's.
+
+vLLM also counts finished requests, `vllm:request_success_total` by reason. A
+scrape where that count grew but no observation came out (the histograms are
+missing, named otherwise, or did not move) is logged as a warning
+(`vllm_requests_without_lengths`) and counted in the source's status, so a
+server that does not export what the window needs is never silently ignored.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import deque
@@ -42,10 +49,12 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from blocktune.tuner.config.policy import VllmMetricsSettings
+from blocktune.tuner.operations import log_event
 from blocktune.tuner.sidecar.sources import MAX_TOKENS, Observations, PollingSource, Sink
 
 __all__ = [
     "CACHE_INFO",
+    "FINISHED",
     "GENERATION",
     "PROMPT",
     "Histogram",
@@ -58,7 +67,9 @@ __all__ = [
 PROMPT = "vllm:request_prompt_tokens"
 GENERATION = "vllm:request_generation_tokens"
 CACHE_INFO = "vllm:cache_config_info"
+FINISHED = "vllm:request_success_total"
 MAX_PENDING = 100_000
+log = logging.getLogger("blocktune.sidecar")
 
 LabelKey = tuple[tuple[str, str], ...]
 
@@ -94,11 +105,13 @@ class Histogram:
 
 @dataclass(frozen=True)
 class Exposition:
-    """What one scrape holds: both histograms per label set and the block sizes reported."""
+    """What one scrape holds: both histograms per label set, the block sizes reported and
+    the finished requests counted (None without `vllm:request_success_total`)."""
 
     prompt: dict[LabelKey, Histogram]
     generation: dict[LabelKey, Histogram]
     block_sizes: list[int]
+    finished: float | None = None
 
 
 def parse_exposition(text: str) -> Exposition:
@@ -106,8 +119,12 @@ def parse_exposition(text: str) -> Exposition:
     without `# TYPE` lines still counts. Malformed series (no `+Inf` bucket) are left out."""
     parts: dict[str, dict[LabelKey, dict]] = {PROMPT: {}, GENERATION: {}}
     block_sizes: list[int] = []
+    finished: float | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == FINISHED:
+                finished = (finished or 0.0) + sample.value
+                continue
             if sample.name == CACHE_INFO:
                 size = sample.labels.get("block_size", "")
                 if size.isdigit():
@@ -123,7 +140,9 @@ def parse_exposition(text: str) -> Exposition:
                     entry["buckets"][float(sample.labels["le"])] = sample.value
                 else:
                     entry[suffix] = sample.value
-    return Exposition(_histograms(parts[PROMPT]), _histograms(parts[GENERATION]), block_sizes)
+    return Exposition(
+        _histograms(parts[PROMPT]), _histograms(parts[GENERATION]), block_sizes, finished
+    )
 
 
 def _histograms(series: dict[LabelKey, dict]) -> dict[LabelKey, Histogram]:
@@ -244,6 +263,7 @@ class VllmMetricsSource(PollingSource):
         self._pending_outputs: deque[int] = deque(maxlen=MAX_PENDING)
         self._rng = np.random.default_rng(seed)
         self._last_scrape: float | None = None
+        self._last_finished: float | None = None
         self.block_size: int | None = None
 
     def poll(self) -> int:
@@ -266,6 +286,17 @@ class VllmMetricsSource(PollingSource):
         paired = min(len(self._pending_prompts), len(self._pending_outputs))
         since = self._last_scrape
         self._last_scrape = now
+        finished = self._finished_since(exposition.finished)
+        if finished > 0 and paired == 0:
+            self.status.unobserved()
+            log_event(
+                log,
+                "vllm_requests_without_lengths",
+                level=logging.WARNING,
+                url=str(self.url),
+                finished=finished,
+                detail=f"{FINISHED} grew but {PROMPT} and {GENERATION} gave no new pairs",
+            )
         if paired == 0:
             return 0
         prompt = np.array([self._pending_prompts.popleft() for _ in range(paired)])
@@ -276,6 +307,13 @@ class VllmMetricsSource(PollingSource):
         stamps = start + (now - start) * (np.arange(paired) + 1) / paired
         self._sink(Observations(prompt, output, stamps))
         return paired
+
+    def _finished_since(self, total: float | None) -> int:
+        """Requests finished since the previous scrape (0 at the first, or after a reset)."""
+        last, self._last_finished = self._last_finished, total
+        if total is None or last is None or total < last:
+            return 0
+        return int(round(total - last))
 
     def close(self) -> None:
         self._client.close()

@@ -189,8 +189,6 @@ def test_refusals_are_openai_errors(client, worker):
     with pytest.raises(openai.UnprocessableEntityError) as error:
         client.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "x"}])
     assert error.value.body["param"].startswith("messages.0.role")
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs"):
-        client.completions.create(model=MODEL, prompt="x", echo=True, logprobs=1)
 
 
 @pytest.mark.parametrize(

@@ -67,3 +67,15 @@ def test_text_completion_of_a_plain_prompt(client, loaded):
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
     assert response.choices[0].text == expected
     assert response.usage.prompt_tokens == len(loaded.tokenizer.encode(prompt))
+
+
+def test_prompt_tokens_count_the_rendered_chat_template(client, loaded):
+    """SmolLM2's template adds a system prompt and role markers: usage.prompt_tokens counts
+    what the model saw, which is more than the question's own tokens."""
+    response = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=1, temperature=0
+    )
+    rendered = loaded.tokenizer.apply_chat_template(QUESTION)
+    own = loaded.tokenizer.encode(QUESTION[0]["content"], add_special_tokens=False)
+    assert response.usage.prompt_tokens == len(rendered)
+    assert len(rendered) > len(own) + 10

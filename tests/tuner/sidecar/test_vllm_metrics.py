@@ -260,3 +260,65 @@ def wait_for(condition, timeout_s: float = 15.0) -> bool:
 @pytest.fixture(autouse=True)
 def _quiet_scheduler(caplog):
     caplog.set_level("WARNING", logger="apscheduler")
+
+
+def test_pointed_at_blocktunes_worker_it_fills_the_window(live_server):
+    """The worker exports vLLM's names, so the vLLM source reads it as it reads vLLM: each
+    finished request becomes one observation, inside its histogram buckets."""
+    from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.engine_loop import EngineLoop
+    from blocktune.runtime.loading import load_pretrained
+    from blocktune.tuner.serving.worker_app import create_worker_app
+
+    loaded = load_pretrained("tiny-random")
+    loop = EngineLoop(Engine(loaded.model, EngineConfig(block_size=16, num_blocks=128)))
+    loop.start()
+    app = create_worker_app(loop, model_name="tiny-random", tokenizer=loaded.tokenizer)
+    try:
+        with live_server(app) as worker:
+            settings = VllmMetricsSettings(url=f"{worker}/metrics")
+            policy = POLICY.model_copy(
+                update={"sources": Sources(push=False, vllm_metrics=settings)}
+            )
+            sidecar = Sidecar(policy)
+            source = sidecar.sources[0]
+            SourceRunner.poll(source)  # the baseline
+            for prompt_ids, max_tokens in (([1] * 3, 4), ([2] * 30, 7), ([3] * 300, 12)):
+                body = {"prompt_ids": prompt_ids, "max_tokens": max_tokens, "ignore_eos": True}
+                httpx.post(f"{worker}/v1/completions", json=body, timeout=60).raise_for_status()
+            SourceRunner.poll(source)
+            source.close()
+    finally:
+        loop.stop()
+    assert len(sidecar.window) == 3
+    assert sidecar.current_block_size == 16
+    status = sidecar.statuses["vllm_metrics"].to_dict()
+    assert status["samples"] == 3 and status["errors"] == 0 and status["unobserved_polls"] == 0
+    snapshot = sidecar.window.snapshot()
+    # Lengths 3, 30, 300 and 4, 7, 12 land in vLLM's buckets (2, 5], (20, 50], (200, 500]
+    # and (2, 5], (5, 10], (10, 20].
+    assert bucket_counts(snapshot.prompt_tokens).tolist() == bucket_counts([3, 30, 300]).tolist()
+    assert bucket_counts(snapshot.output_tokens).tolist() == bucket_counts([4, 7, 12]).tolist()
+
+
+def test_requests_that_finish_without_lengths_are_warned_about_and_counted(live_server, caplog):
+    finished = 'vllm:request_success_total{{engine="0",finished_reason="stop"}} {}\n'
+    holder = {"text": finished.format(5.0)}
+    with live_server(serve_exposition(holder)) as vllm_url:
+        settings = VllmMetricsSettings(url=f"{vllm_url}/metrics")
+        sidecar = Sidecar(
+            POLICY.model_copy(update={"sources": Sources(push=False, vllm_metrics=settings)})
+        )
+        source = sidecar.sources[0]
+        SourceRunner.poll(source)  # the baseline: history is not news
+        SourceRunner.poll(source)  # nothing finished: nothing to say
+        holder["text"] = finished.format(8.0)
+        with caplog.at_level("WARNING", logger="blocktune.sidecar"):
+            SourceRunner.poll(source)
+        source.close()
+    warnings = [json.loads(r.message) for r in caplog.records if r.levelname == "WARNING"]
+    assert [w["event"] for w in warnings] == ["vllm_requests_without_lengths"]
+    assert warnings[0]["finished"] == 3
+    assert sidecar.statuses["vllm_metrics"].to_dict()["unobserved_polls"] == 1
+    assert sidecar.metrics()["source_unobserved_polls"] == {"vllm_metrics": 1}
+    assert len(sidecar.window) == 0
