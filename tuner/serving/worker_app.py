@@ -172,7 +172,13 @@ _GENERATION_ANSWERS = {
         "description": "the completion; with stream: true, server-sent events of chunks",
         "content": {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {  # each event: data, a chunk as JSON or [DONE]
+                "schema": {
+                    "type": "object",
+                    "properties": {"data": {"type": "string"}},
+                    "required": ["data"],
+                }
+            },
         },
     },
     **refusals(OPENAI_ERROR_SCHEMA, _GENERATION_REFUSALS),
