@@ -50,7 +50,15 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"blocktune serve: {error}", file=sys.stderr)
         return 2
     log = logging.getLogger("blocktune.sidecar")
-    log_event(log, "serving", host=host, port=port, state_file=state_file, auth=token is not None)
+    log_event(
+        log,
+        "serving",
+        host=host,
+        port=port,
+        state_file=state_file,
+        auth=token is not None,
+        allowed_hosts=["loopback", *server.allowed_hosts],
+    )
     serve_sidecar(sidecar, host=host, port=port, token=token, server=server)
     return 0
 

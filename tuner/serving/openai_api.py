@@ -109,12 +109,15 @@ class ServedModel:
     def decode(self, token_ids: Sequence[int]) -> str:
         return "" if self.tokenizer is None else self.tokenizer.decode(token_ids)
 
-    def echo(self, prompt: Sequence[int], param: str) -> str:
-        """The prompt as text for `echo`; ids the tokenizer cannot decode are a 400."""
+    def echoed(self, prompt: Sequence[int], param: str) -> str:
+        """A prompt of token ids as `echo` shows it; 400 for ids the tokenizer cannot decode
+        (outside its vocabulary), which the engine would refuse anyway."""
         try:
             return self.decode(prompt)
-        except ValueError as error:
-            raise OpenAIError(400, f"the prompt cannot be echoed: {error}", param=param) from None
+        except (ValueError, OverflowError) as error:
+            raise OpenAIError(
+                400, f"the prompt's token ids cannot be decoded to echo: {error}", param=param
+            ) from None
 
     def token_text(self, token_id: int) -> str:
         """One token as text (`token_id:N` without a tokenizer, as vLLM writes it)."""
@@ -221,7 +224,7 @@ class Prepared:
         _refuse_unserved(body)
         param = "prompt_ids" if body.prompt_ids is not None else "prompt"
         prompts = [p if isinstance(p, list) else served.encode(p, param) for p in body.prompts()]
-        prefixes = [served.echo(p, param) if body.echo else "" for p in prompts]
+        prefixes = [served.echoed(p, param) if body.echo else "" for p in prompts]
         limits = [served.room(p, body.max_tokens, param) for p in prompts]
         scored = body.logprobs if body.echo else None  # the prompt's log-probabilities too
         return cls._build(

@@ -177,11 +177,10 @@ _GENERATION_ANSWERS = {
         "description": "the completion; with stream: true, server-sent events of chunks",
         "content": {
             "application/json": {"schema": {"type": "object"}},
-            # Each server-sent event: `data` is one chunk's JSON, or `[DONE]` at the end.
-            "text/event-stream": {
+            "text/event-stream": {  # each event: data, a chunk as JSON or [DONE]
                 "schema": {
                     "type": "object",
-                    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+                    "properties": {"data": {"type": "string"}},
                     "required": ["data"],
                 }
             },

@@ -186,5 +186,7 @@ def test_serve_answers_the_hosts_it_is_told_to(tmp_path):
         assert httpx.get(url, headers={"host": f"tuner.internal:{port}"}).status_code == 200
         assert httpx.get(url, headers={"host": "evil.example"}).status_code == 421
     finally:
-        code, _ = stop(process, signal.SIGTERM)
+        code, events = stop(process, signal.SIGTERM)
     assert code == 0
+    serving = next(e for e in events if e["event"] == "serving")
+    assert serving["allowed_hosts"] == ["loopback", "tuner.internal"]

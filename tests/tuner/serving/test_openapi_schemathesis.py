@@ -66,7 +66,7 @@ def conforms(url: str, operation, mode: GenerationMode) -> None:
         max_examples=EXAMPLES,
         deadline=None,
         database=None,
-        derandomize=True,  # the same cases on every run: CI does not depend on luck
+        derandomize=True,  # the same requests on every run: CI fails only for a change
         suppress_health_check=list(HealthCheck),
     )
     @given(case=operation.as_strategy(generation_mode=mode))

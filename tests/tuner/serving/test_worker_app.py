@@ -129,6 +129,8 @@ def test_a_swap_that_cannot_be_applied_is_200_with_its_reason(model, live_server
     [
         ({"prompt_ids": [], "max_tokens": 4}, 422, "prompt_ids"),
         ({"prompt_ids": [1, 999], "max_tokens": 4}, 400, "token id 999"),
+        ({"prompt_ids": [1, 999], "max_tokens": 4, "echo": True}, 400, "cannot be decoded"),
+        ({"prompt_ids": [2**71], "max_tokens": 4, "echo": True}, 400, "cannot be decoded"),
         # The pool (256 blocks of 8) holds fewer tokens than the model's 4096 positions.
         ({"prompt_ids": list(range(200)) * 11, "max_tokens": 4}, 400, "max_model_len 2049"),
         ({"prompt_ids": [1], "max_tokens": 0}, 422, "max_tokens"),
