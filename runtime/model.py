@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from blocktune.kernels.cache_ops import write_kv
-from blocktune.kernels.paged_attention import paged_attention
+from blocktune.kernels.paged_attention import decode_layout, paged_attention
 from blocktune.runtime.kv_cache import KVCache
 from blocktune.runtime.linear import PackedLinear
 
@@ -404,10 +404,14 @@ class LlamaModel(nn.Module):
         tokens and the slots of its sequence's whole context up to its last new token.
         """
         num_decodes = block_table.shape[0]
+        layout = None  # every layer reads the same blocks: lay them out once
+        if num_decodes and backend == "torch":
+            layout = decode_layout(kv.k[0], block_table, context_lens, block_size=block_size)
 
         def attend(layer, q, k, v):
             keys, values = kv.k[layer], kv.v[layer]
-            write_kv(keys, values, k, v, slots, backend=backend)
+            # The slots are the same for every layer: checked once, in the first.
+            write_kv(keys, values, k, v, slots, backend=backend, check_slots=layer == 0)
             parts = []
             if num_decodes:
                 parts.append(
@@ -420,6 +424,7 @@ class LlamaModel(nn.Module):
                         block_size=block_size,
                         scale=self.scale,
                         backend=backend,
+                        layout=layout,
                     )
                 )
             row = num_decodes
