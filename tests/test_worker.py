@@ -7,6 +7,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from blocktune.runtime.engine import Engine, EngineConfig, FinishedRequest, SamplingParams
 from blocktune.runtime.engine_loop import EngineLoop
@@ -281,3 +282,21 @@ def test_worker_command_takes_candidates_and_token_env_from_a_policy(tmp_path, c
     policy.write_text("deployment: x\nbogus: 1\n")
     assert main(["worker", "--policy", str(policy)]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_worker_threads_flag_sets_torch_threads_and_refuses_zero(capsys, monkeypatch):
+    from blocktune.tuner.cli import main
+
+    threads = torch.get_num_threads()
+    served = []
+    monkeypatch.setattr(
+        "blocktune.tuner.serving.worker_app.serve_worker",
+        lambda loop, **_: served.append(torch.get_num_threads()),
+    )
+    try:
+        assert main(["worker", "--threads", "1"]) == 0
+        assert served == [1]
+        assert main(["worker", "--threads", "0"]) == 2
+        assert "--threads must be at least 1, got 0" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)

@@ -9,6 +9,7 @@ from blocktune.tuner.cli._common import (
     add_engine_arguments,
     engine_config_from_args,
     load_model_from_args,
+    set_threads,
 )
 from blocktune.tuner.core.defaults import DEFAULT_CANDIDATES, DEFAULT_TOKEN_ENV
 
@@ -63,6 +64,7 @@ def run_worker(args: argparse.Namespace) -> int:
     token = token_from_env(token_env)
     try:
         check_bind(args.host, token)
+        set_threads(args.threads)
         loaded = load_model_from_args(args)
         config = engine_config_from_args(args, candidates, kv_bytes=args.kv_bytes)
         engine = Engine(loaded.model, config)
@@ -139,6 +141,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=parse_bytes,
         default=64 * 2**20,
         help="KV pool size, e.g. 64MiB or 1GiB (default: 64MiB)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch intra-op threads of the model step (default: torch's choice, one per "
+        "physical core, or OMP_NUM_THREADS)",
     )
     parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
     parser.add_argument(
