@@ -34,6 +34,7 @@ def main() -> None:
     written = json.loads(config_path.read_text())
     written.pop("quantization_config", None)
     written["torch_dtype"] = "float32"
+    written.setdefault("architectures", ["LlamaForCausalLM"])  # vLLM picks its model class by it
     config_path.write_text(json.dumps(written, indent=2) + "\n")
     transformers.GenerationConfig.from_model_config(config).save_pretrained(args.out)
     transformers.AutoTokenizer.from_pretrained(**source).save_pretrained(args.out)
