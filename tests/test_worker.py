@@ -300,3 +300,13 @@ def test_worker_threads_flag_sets_torch_threads_and_refuses_zero(capsys, monkeyp
         assert "--threads must be at least 1, got 0" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
+
+
+def test_prefix_caching_flag_reaches_the_engine_config():
+    from blocktune.tuner.cli import build_parser
+    from blocktune.tuner.cli._common import engine_config_from_args
+
+    parse = build_parser().parse_args
+    on = engine_config_from_args(parse(["worker", "--enable-prefix-caching"]), [16], kv_bytes=1)
+    off = engine_config_from_args(parse(["worker"]), [16], kv_bytes=1)
+    assert (on.enable_prefix_caching, off.enable_prefix_caching) == (True, False)
