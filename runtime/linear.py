@@ -5,9 +5,9 @@ on every call; oneDNN can instead reorder it once into the blocked layout its ma
 kernels read, which makes a decode step's small-batch products about twice as fast
 here (bench/results/engine_speed.md). `PackedLinear` keeps the ordinary weight (for
 state dicts, tied embeddings and other devices) and packs a copy the first time it
-runs without autograd; a new weight (a `load_state_dict`, an in-place change, another
-device or dtype) is packed again. On a GPU, in float16 and wherever oneDNN lacks the
-dtype it is a plain `nn.Linear`.
+runs without autograd, so the weights take twice their memory; a new weight (a
+`load_state_dict`, an in-place change, another device or dtype) is packed again. On a
+GPU, in float16 and wherever oneDNN lacks the dtype it is a plain `nn.Linear`.
 """
 
 from __future__ import annotations
