@@ -60,6 +60,7 @@ def _check_write_inputs(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    check_slots: bool,
 ) -> None:
     _check_cache_pair(key_cache, value_cache, "")
     for name, tensor in (("key", key), ("value", value)):
@@ -88,7 +89,7 @@ def _check_write_inputs(
         raise KernelInputError(
             f"slot_mapping is on {slot_mapping.device}, the cache on {key.device}"
         )
-    if slot_mapping.device.type == "cpu" and len(slot_mapping):
+    if check_slots and slot_mapping.device.type == "cpu" and len(slot_mapping):
         bad = torch.nonzero((slot_mapping < 0) | (slot_mapping >= key_cache.shape[0]))
         if len(bad):
             token = int(bad[0, 0])
@@ -106,9 +107,11 @@ def write_kv_torch(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    check_slots: bool = True,
 ) -> None:
     """Write `key`/`value [num_tokens, num_kv_heads, head_dim]` into their slots, in place."""
-    _check_write_inputs(key_cache, value_cache, key, value, slot_mapping)
+    _check_write_inputs(key_cache, value_cache, key, value, slot_mapping, check_slots)
     slots = slot_mapping.long()
     key_cache.index_copy_(0, slots, key)
     value_cache.index_copy_(0, slots, value)
@@ -177,9 +180,11 @@ def write_kv_triton(
     key: torch.Tensor,
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    check_slots: bool = True,
 ) -> None:
     """`write_kv_torch` as one Triton program per token."""
-    _check_write_inputs(key_cache, value_cache, key, value, slot_mapping)
+    _check_write_inputs(key_cache, value_cache, key, value, slot_mapping, check_slots)
     require_triton(key_cache.device)
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if cache.stride(2) != 1 or cache.stride() != key_cache.stride():
@@ -213,11 +218,16 @@ def write_kv(
     slot_mapping: torch.Tensor,
     *,
     backend: str = "torch",
+    check_slots: bool = True,
 ) -> None:
-    """Write the new tokens' K/V into the flat caches at `slot_mapping`, in place."""
+    """Write the new tokens' K/V into the flat caches at `slot_mapping`, in place.
+
+    On CPU tensors the slots are checked to be in the pool and distinct unless
+    `check_slots` is False: a caller writing the same slots into every layer's caches
+    checks them once."""
     check_backend(backend)
     write = write_kv_triton if backend == "triton" else write_kv_torch
-    write(key_cache, value_cache, key, value, slot_mapping)
+    write(key_cache, value_cache, key, value, slot_mapping, check_slots=check_slots)
 
 
 def _check_copy_inputs(

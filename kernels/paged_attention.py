@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -30,9 +31,11 @@ except ImportError:  # Triton publishes Linux wheels only; the torch backend sti
 
 __all__ = [
     "BACKENDS",
+    "DecodeLayout",
     "KernelInputError",
     "check_backend",
     "check_block_size",
+    "decode_layout",
     "default_tile_size",
     "paged_attention",
     "paged_attention_torch",
@@ -53,6 +56,11 @@ MAX_HEAD_DIM = 256
 # enough to be read back from the CPU caches, large enough that the chunks' own overhead
 # stays small (the fastest on a 2-core machine at 1 and 2 threads).
 GATHER_BYTES_PER_THREAD = 4 << 20
+# A decode sequence shares a chunk (and its padding to the chunk's longest context) while
+# that context is at most PAD_RATIO times its own or PAD_TOKENS longer: gathering that
+# much padding costs less than another gather and attention call per layer.
+PAD_RATIO = 2
+PAD_TOKENS = 256
 
 
 class KernelInputError(ValueError):
@@ -97,6 +105,7 @@ def _check_attention_inputs(
     block_table: torch.Tensor,
     context_lens: torch.Tensor,
     block_size: int,
+    check_values: bool = True,
 ) -> None:
     check_block_size(block_size)
     for name, tensor in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
@@ -133,7 +142,7 @@ def _check_attention_inputs(
             raise KernelInputError(f"{name} has {tensor.shape[0]} rows for {num_seqs} sequences")
         if tensor.device != query.device:
             raise KernelInputError(f"{name} is on {tensor.device}, query on {query.device}")
-    if query.device.type == "cpu" and num_seqs:
+    if check_values and query.device.type == "cpu" and num_seqs:
         _check_attention_values(block_table, context_lens, block_size, key_cache.shape[0])
 
 
@@ -177,6 +186,82 @@ def _raise_bad_values(
     )
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    rows: torch.Tensor  # the batch rows it attends, [n] int64
+    blocks: torch.Tensor  # their blocks, [n, blocks]; 0 past a context
+    mask: torch.Tensor | None  # [n, 1, 1, max_len], True where a token is in the context
+    max_len: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """How the torch backend reads one decode batch's K/V, worked out once for all layers.
+
+    The sequences, longest context first, go in chunks; each chunk gathers its blocks
+    padded only to its own longest context, so a short sequence never pays for a long
+    one's context: a sequence joins a chunk while the chunk's longest context is at
+    most `PAD_RATIO` times its own or `PAD_TOKENS` longer, else it starts a new chunk
+    (a chunk costs one gather and one fused attention call per layer). A chunk's
+    gathered fp32 K and V stay within `GATHER_BYTES_PER_THREAD` per CPU thread, which
+    the CPU caches still hold when attention reads them back. Built (and the block
+    table and context lengths checked) by `decode_layout`.
+    """
+
+    chunks: tuple[_Chunk, ...]
+    num_seqs: int
+    block_size: int
+    padded_tokens: int  # K/V tokens gathered beyond the contexts, all chunks together
+
+
+def decode_layout(
+    key_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    *,
+    block_size: int,
+) -> DecodeLayout:
+    """The `DecodeLayout` of sequences with `block_table` and `context_lens` over a pool
+    shaped like `key_cache`; raises `KernelInputError` for bad values (CPU tensors)."""
+    check_block_size(block_size)
+    if key_cache.device.type == "cpu" and len(context_lens):
+        _check_attention_values(block_table, context_lens, block_size, key_cache.shape[0])
+    lens = context_lens.tolist()
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])
+    block_bytes = 2 * 4 * block_size * key_cache[0].numel()  # fp32 K and V of one block
+    budget = GATHER_BYTES_PER_THREAD * torch.get_num_threads()
+    groups: list[list[int]] = []
+    for row in order:
+        group = groups[-1] if groups else None
+        if group is not None:
+            longest = lens[group[0]]
+            fits = (len(group) + 1) * -(-longest // block_size) * block_bytes <= budget
+            close = longest <= PAD_RATIO * lens[row] or longest - lens[row] <= PAD_TOKENS
+            if fits and close:
+                group.append(row)
+                continue
+        groups.append([row])
+    chunks = []
+    padded = 0
+    device = block_table.device
+    for group in groups:
+        rows = torch.tensor(group, dtype=torch.long, device=device)
+        group_lens = context_lens.index_select(0, rows)
+        max_len = lens[group[0]]
+        num_blocks = -(-max_len // block_size)
+        positions = torch.arange(num_blocks * block_size, device=device)
+        # Table entries past a sequence's context may hold anything (-1, say): read block 0.
+        used = positions[::block_size] < group_lens[:, None]
+        blocks = torch.where(used, block_table.index_select(0, rows)[:, :num_blocks], 0)
+        mask = None
+        if lens[group[-1]] != max_len:  # no padding, nothing to mask
+            mask = (positions[:max_len] < group_lens[:, None])[:, None, None, :]
+        padded += sum(max_len - lens[i] for i in group)
+        chunks.append(_Chunk(rows, blocks, mask, max_len, block_size))
+    return DecodeLayout(tuple(chunks), len(lens), block_size, padded)
+
+
 def paged_attention_torch(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -186,40 +271,37 @@ def paged_attention_torch(
     *,
     block_size: int,
     scale: float | None = None,
+    layout: DecodeLayout | None = None,
 ) -> torch.Tensor:
     """Reference decode attention: gather K/V through the block table, softmax in fp32.
 
-    Vectorised over the batch: every sequence's blocks are gathered whole from the
-    pool's block view, padded to the longest context, and torch's fused attention
-    runs over them with the padding masked out; each KV head's query heads attend as
-    one group of queries, so K/V are read once per KV head. The batch goes in chunks
-    of sequences whose gathered K/V (`GATHER_BYTES_PER_THREAD` per CPU thread) the
-    CPU caches still hold when attention reads them back. Returns
-    `[num_seqs, num_heads, head_dim]` in `query.dtype`.
+    Vectorised over the batch in the chunks of a `DecodeLayout` (`layout`, which a
+    caller attending several layers of one step builds once with `decode_layout`;
+    built here when None): every chunk's blocks are gathered whole from the pool's
+    block view, and torch's fused attention runs over them with the chunk's padding
+    masked out; each KV head's query heads attend as one group of queries, so K/V are
+    read once per KV head. Returns `[num_seqs, num_heads, head_dim]` in `query.dtype`.
     """
-    _check_attention_inputs(query, key_cache, value_cache, block_table, context_lens, block_size)
+    _check_attention_inputs(
+        query, key_cache, value_cache, block_table, context_lens, block_size, layout is None
+    )
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     if num_seqs == 0:
         return torch.empty_like(query)
+    if layout is None:
+        layout = decode_layout(key_cache, block_table, context_lens, block_size=block_size)
+    elif (layout.num_seqs, layout.block_size) != (num_seqs, block_size):
+        raise KernelInputError(
+            f"the layout is for {layout.num_seqs} sequences at block size {layout.block_size}, "
+            f"got {num_seqs} at {block_size}"
+        )
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    shortest, max_len = (int(n) for n in torch.aminmax(context_lens))
-    num_blocks = -(-max_len // block_size)
-    positions = torch.arange(num_blocks * block_size, device=query.device)
-    valid = positions[:max_len] < context_lens[:, None]
-    # Table entries past a sequence's context may hold anything (-1, say): read block 0.
-    used = positions[::block_size] < context_lens[:, None]
-    blocks = torch.where(used, block_table[:, :num_blocks], 0)
     grouped = query.float().reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = torch.empty_like(grouped)
-    chunk_bytes = GATHER_BYTES_PER_THREAD * torch.get_num_threads()
-    step = max(1, chunk_bytes // (2 * 4 * num_blocks * block_size * key_cache[0].numel()))
-    for first in range(0, num_seqs, step):
-        rows = slice(first, first + step)
-        mask = None if shortest == max_len else valid[rows]  # no padding, nothing to mask
-        out[rows] = _attend_blocks(
-            grouped[rows], key_cache, value_cache, blocks[rows], mask, max_len, block_size, scale
-        )
+    for chunk in layout.chunks:
+        part = _attend_blocks(grouped[chunk.rows], key_cache, value_cache, chunk, scale)
+        out.index_copy_(0, chunk.rows, part)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
@@ -227,15 +309,11 @@ def _attend_blocks(
     grouped: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    blocks: torch.Tensor,
-    valid: torch.Tensor | None,
-    max_len: int,
-    block_size: int,
+    chunk: _Chunk,
     scale: float,
 ) -> torch.Tensor:
     """Fused attention of `grouped [rows, num_kv_heads, group, head_dim]` (fp32) over the
-    first `max_len` tokens of the K/V of `blocks [rows, n]`, those where `valid [rows,
-    max_len]` (all of them when None).
+    first `chunk.max_len` tokens of the K/V of `chunk.blocks`, those in `chunk.mask`.
 
     The blocks are gathered whole from the pools' block views into one buffer for K and V
     (in fp32 once converted), freed on return: with one such buffer alive at a time, glibc
@@ -243,6 +321,7 @@ def _attend_blocks(
     faulting it in again on the next call (which two buffers, or one per chunk alive at
     once, make it do).
     """
+    blocks, block_size = chunk.blocks, chunk.block_size
     rows, count = blocks.shape
     num_slots = key_cache.shape[0] // block_size * block_size
     row = block_size * key_cache[0].numel()
@@ -250,13 +329,9 @@ def _attend_blocks(
     for cache, part in zip((key_cache, value_cache), gathered, strict=True):
         torch.index_select(cache[:num_slots].reshape(-1, row), 0, blocks.flatten(), out=part)
     shape = (2, rows, count * block_size, *key_cache.shape[1:])
-    keys, values = gathered.float().view(shape)[:, :, :max_len].transpose(2, 3)
+    keys, values = gathered.float().view(shape)[:, :, : chunk.max_len].transpose(2, 3)
     return torch.nn.functional.scaled_dot_product_attention(
-        grouped,
-        keys,
-        values,
-        attn_mask=None if valid is None else valid[:, None, None, :],
-        scale=scale,
+        grouped, keys, values, attn_mask=chunk.mask, scale=scale
     )
 
 
@@ -533,9 +608,11 @@ def paged_attention(
     scale: float | None = None,
     backend: str = "torch",
     tile_size: int | None = None,
+    layout: DecodeLayout | None = None,
 ) -> torch.Tensor:
     """Decode attention of `query [num_seqs, num_heads, head_dim]` over one layer's paged
-    cache, on the `backend` ("torch" or "triton"); `tile_size` applies to Triton only."""
+    cache, on the `backend` ("torch" or "triton"); `tile_size` applies to Triton only,
+    `layout` (see `paged_attention_torch`) to torch only."""
     check_backend(backend)
     if backend == "triton":
         return paged_attention_triton(
@@ -556,6 +633,7 @@ def paged_attention(
         context_lens,
         block_size=block_size,
         scale=scale,
+        layout=layout,
     )
 
 

@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from blocktune.kernels.cache_ops import write_kv
-from blocktune.kernels.paged_attention import paged_attention
+from blocktune.kernels.paged_attention import decode_layout, paged_attention
 from blocktune.runtime.kv_cache import KVCache
+from blocktune.runtime.linear import PackedLinear
 
 __all__ = [
     "Llama3RopeScaling",
@@ -224,13 +225,23 @@ def rope_frequencies(config: ModelConfig, device: torch.device) -> torch.Tensor:
     return config.rope_scaling.rescale(inv_freq)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Apply rotary embeddings to `x [tokens, heads, head_dim]` at `positions [tokens]`."""
-    dim = x.shape[-1]
-    angles = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat((angles, angles), dim=-1)
-    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
-    half = dim // 2
+Rotary = tuple[torch.Tensor, torch.Tensor]
+"""The cosines and sines `[tokens, 1, head_dim]` of one step's positions (`rotary_tables`)."""
+
+
+def rotary_tables(config: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> Rotary:
+    """Cosines and sines of `positions [tokens]` for `rotate`, computed in fp32 and
+    rounded to `dtype` once per forward pass (every layer uses the same)."""
+    angles = positions.float()[:, None] * rope_frequencies(config, positions.device)[None, :]
+    emb = torch.cat((angles, angles), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """Apply rotary embeddings to `x [tokens, heads, head_dim]` (Hugging Face's half-split
+    layout) with the `rotary_tables` of its tokens' positions."""
+    cos, sin = rotary
+    half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -247,20 +258,19 @@ class Attention(nn.Module):
         q_size = config.num_heads * config.head_dim
         kv_size = config.num_kv_heads * config.head_dim
         self.config = config
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=False)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
+        self.q_proj = PackedLinear(config.hidden_size, q_size)
+        self.k_proj = PackedLinear(config.hidden_size, kv_size)
+        self.v_proj = PackedLinear(config.hidden_size, kv_size)
+        self.o_proj = PackedLinear(q_size, config.hidden_size)
 
     def forward(
-        self, layer: int, x: torch.Tensor, positions: torch.Tensor, attend: AttentionFn
+        self, layer: int, x: torch.Tensor, rotary: Rotary, attend: AttentionFn
     ) -> torch.Tensor:
         c = self.config
         q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)
         k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
         v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        inv_freq = rope_frequencies(c, x.device)
-        q, k = rotate(q, positions, inv_freq), rotate(k, positions, inv_freq)
+        q, k = rotate(q, rotary), rotate(k, rotary)
         return self.o_proj(attend(layer, q, k, v).reshape(x.shape[0], -1))
 
 
@@ -269,9 +279,9 @@ class MLP(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = PackedLinear(config.hidden_size, config.intermediate_size)
+        self.up_proj = PackedLinear(config.hidden_size, config.intermediate_size)
+        self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -288,9 +298,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, layer: int, x: torch.Tensor, positions: torch.Tensor, attend: AttentionFn
+        self, layer: int, x: torch.Tensor, rotary: Rotary, attend: AttentionFn
     ) -> torch.Tensor:
-        x = x + self.self_attn(layer, self.input_layernorm(x), positions, attend)
+        x = x + self.self_attn(layer, self.input_layernorm(x), rotary, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -305,18 +315,29 @@ class _Body(nn.Module):
 def causal_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """q [T, H, D] are the last T of the context k, v [C, KVH, D]; causal; softmax in fp32."""
-    num_new, num_heads, _ = q.shape
-    context = k.shape[0]
-    group = num_heads // k.shape[1]
-    k = k.repeat_interleave(group, dim=1).float()
-    v = v.repeat_interleave(group, dim=1).float()
-    scores = torch.einsum("thd,chd->htc", q.float(), k) * scale
-    query_pos = torch.arange(context - num_new, context, device=q.device)
-    key_pos = torch.arange(context, device=q.device)
-    scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))
-    out = torch.einsum("htc,chd->thd", scores.softmax(dim=-1), v)
-    return out.to(q.dtype)
+    """q [T, H, D] are the last T of the context k, v [C, KVH, D]; causal.
+
+    torch's fused attention, which never materialises the `[H, T, C]` scores and
+    accumulates in fp32 for every input dtype; each KV head serves its group of query
+    heads without copying K/V per head. Query `i` sees the keys up to position
+    `C - T + i` (all of a cached prefix and of earlier chunks).
+    """
+    num_new, context = q.shape[0], k.shape[0]
+    mask = None
+    if num_new != context:  # the diagonal sits C - T columns to the right
+        mask = torch.ones(num_new, context, dtype=torch.bool, device=q.device).tril(
+            context - num_new
+        )
+    out = nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.transpose(0, 1)
 
 
 class LlamaModel(nn.Module):
@@ -326,7 +347,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.model = _Body(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = PackedLinear(config.hidden_size, config.vocab_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.scale = 1.0 / math.sqrt(config.head_dim)
@@ -343,8 +364,9 @@ class LlamaModel(nn.Module):
         self, token_ids: torch.Tensor, positions: torch.Tensor, attend: AttentionFn
     ) -> torch.Tensor:
         x = self.model.embed_tokens(token_ids)
+        rotary = rotary_tables(self.config, positions, x.dtype)
         for index, layer in enumerate(self.model.layers):
-            x = layer(index, x, positions, attend)
+            x = layer(index, x, rotary, attend)
         return self.model.norm(x)
 
     @torch.inference_mode()
@@ -380,10 +402,14 @@ class LlamaModel(nn.Module):
         tokens and the slots of its sequence's whole context up to its last new token.
         """
         num_decodes = block_table.shape[0]
+        layout = None  # every layer reads the same blocks: lay them out once
+        if num_decodes and backend == "torch":
+            layout = decode_layout(kv.k[0], block_table, context_lens, block_size=block_size)
 
         def attend(layer, q, k, v):
             keys, values = kv.k[layer], kv.v[layer]
-            write_kv(keys, values, k, v, slots, backend=backend)
+            # The slots are the same for every layer: checked once, in the first.
+            write_kv(keys, values, k, v, slots, backend=backend, check_slots=layer == 0)
             parts = []
             if num_decodes:
                 parts.append(
@@ -396,6 +422,7 @@ class LlamaModel(nn.Module):
                         block_size=block_size,
                         scale=self.scale,
                         backend=backend,
+                        layout=layout,
                     )
                 )
             row = num_decodes

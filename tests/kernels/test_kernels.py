@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from blocktune.kernels.cache_ops import copy_blocks, warmup_cache_ops, write_kv
 from blocktune.kernels.paged_attention import (
     KernelInputError,
+    decode_layout,
     paged_attention,
     paged_attention_torch,
     paged_attention_triton,
@@ -116,6 +117,27 @@ def test_torch_reference_matches_dense_oracle(block_size, num_heads, num_kv_head
     expected = dense_attention(query, paged.keys, paged.values, scale=0.3)
     assert out.dtype == dtype and out.shape == query.shape
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_decode_layout_pads_each_chunk_only_to_its_own_longest_context():
+    """Contexts of 1000, 990, 20 and 300 tokens: the short ones are not padded to 1000.
+    One layout serves several layers' caches, and gives the dense oracle's output."""
+    lens = [1000, 20, 990, 300]
+    paged = Paged(lens, 16, 2, 16, torch.float32, seed=9)
+    layout = decode_layout(paged.key_cache, paged.block_table, paged.context_lens, block_size=16)
+    assert sorted(sorted(c.rows.tolist()) for c in layout.chunks) == [[0, 2], [1], [3]]
+    assert layout.padded_tokens == 10  # only 990 is padded, to 1000
+    query = _query(len(lens), 4, 16, torch.float32, seed=9)
+    for scale in (0.2, 0.5):  # as two layers would call it
+        out = paged_attention_torch(*paged.args(query), block_size=16, scale=scale, layout=layout)
+        expected = dense_attention(query, paged.keys, paged.values, scale=scale)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+    with pytest.raises(KernelInputError, match="layout is for 4 sequences at block size 16"):
+        paged_attention_torch(*paged.args(query), block_size=8, layout=layout)
+    bad = paged.context_lens.clone()
+    bad[1] = 0
+    with pytest.raises(KernelInputError, match=r"context_lens\[1\] = 0"):
+        decode_layout(paged.key_cache, paged.block_table, bad, block_size=16)
 
 
 @pytest.mark.parametrize("lens", [[7, 7, 7], [1, 9, 30, 17, 16]])

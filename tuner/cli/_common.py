@@ -408,6 +408,12 @@ def add_engine_arguments(
         help="tokens one step computes, decodes and prefill chunks together (chunked "
         "prefill; at least --max-num-seqs); default: every prompt prefilled whole",
     )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action="store_true",
+        help="reuse the KV blocks of a prompt prefix that an earlier request computed (as "
+        "vLLM does by default; not with --max-num-batched-tokens)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, *, block_size: int, candidates, **pool):
@@ -422,6 +428,7 @@ def engine_config_from_args(args: argparse.Namespace, *, block_size: int, candid
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         attention_backend=args.backend,
+        enable_prefix_caching=args.enable_prefix_caching,
         candidate_block_sizes=tuple(sorted({*candidates, block_size})),
         **pool,
     )

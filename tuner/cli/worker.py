@@ -10,6 +10,7 @@ from blocktune.tuner.cli._common import (
     add_engine_arguments,
     engine_config_from_args,
     load_model_from_args,
+    set_threads,
 )
 from blocktune.tuner.config.defaults import DEFAULT_TOKEN_ENV
 
@@ -65,6 +66,7 @@ def run_worker(args: argparse.Namespace) -> int:
     token = token_from_env(config.token_env)
     try:
         check_bind(args.host, token)
+        set_threads(args.threads)
         loaded = load_model_from_args(args)
         pool = config.pool
         engine = Engine(
@@ -151,6 +153,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=parse_bytes,
         default=None,
         help="KV pool size, e.g. 64MiB or 1GiB (default: the policy's kv_budget, else 64MiB)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch intra-op threads of the model step (default: torch's choice, one per "
+        "physical core, or OMP_NUM_THREADS)",
     )
     parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
     parser.add_argument(

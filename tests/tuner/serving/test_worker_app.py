@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from blocktune.runtime.engine import Engine, EngineConfig, FinishedRequest, SamplingParams
 from blocktune.runtime.engine_loop import EngineLoop
@@ -332,3 +333,33 @@ def test_monitoring_answers_while_a_step_is_in_progress(model, live_server):
         release.set()
         loop.stop()
     assert loop.state()["completed"] == 1 and loop.state()["steps"] >= 2
+
+
+def test_worker_threads_flag_sets_torch_threads_and_refuses_zero(capsys, monkeypatch):
+    from blocktune.tuner.cli import main
+
+    threads = torch.get_num_threads()
+    served = []
+    monkeypatch.setattr(
+        "blocktune.tuner.serving.worker_app.serve_worker",
+        lambda loop, **_: served.append(torch.get_num_threads()),
+    )
+    try:
+        assert main(["worker", "--threads", "1"]) == 0
+        assert served == [1]
+        assert main(["worker", "--threads", "0"]) == 2
+        assert "--threads must be at least 1, got 0" in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefix_caching_flag_reaches_the_engine_config():
+    from blocktune.tuner.cli import build_parser
+    from blocktune.tuner.cli._common import engine_config_from_args
+
+    parse = build_parser().parse_args
+    def config(flags):
+        return engine_config_from_args(parse(flags), block_size=16, candidates=[16], kv_bytes=1)
+
+    on, off = config(["worker", "--enable-prefix-caching"]), config(["worker"])
+    assert (on.enable_prefix_caching, off.enable_prefix_caching) == (True, False)
