@@ -358,6 +358,7 @@ def test_prefix_caching_flag_reaches_the_engine_config():
     from blocktune.tuner.cli._common import engine_config_from_args
 
     parse = build_parser().parse_args
+
     def config(flags):
         return engine_config_from_args(parse(flags), block_size=16, candidates=[16], kv_bytes=1)
 
