@@ -388,7 +388,8 @@ class ActuatorSettings(Section):
     log_file: str | None = Field(
         default=None,
         min_length=1,
-        description="vllm_process: a file the server's output is appended to",
+        description="vllm_process: a file the server's output is appended to (relative paths "
+        "start at the policy's folder)",
     )
 
     @model_validator(mode="after")
