@@ -5,7 +5,8 @@ here replace `{block_size}` in their command with the size to start, and both
 fall back to the size that was running when the new one does not come up:
 
 `VllmProcessActuator` runs the server itself (its own process group, output
-read line by line for the platform and attention backend vLLM logs, and
+read line by line for the platform and attention backend vLLM logs, e.g.
+"device_config=cpu" and "Using FLASH_ATTN attention backend", and
 appended to `log_file` when one is set). A switch drains (`POST /pause?mode=wait`
 where the server has that route, else it waits until `/metrics` counts no
 running or waiting request, up to `drain_timeout`), stops (SIGTERM to the
@@ -66,7 +67,8 @@ LOG_TAIL_LINES = 50
 HEALTH_POLL_S = 0.2
 DRAIN_POLL_S = 0.25
 IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-PLATFORM_LINE = re.compile(r"Automatically detected platform (\w+)")
+PLATFORM_LINE = re.compile(r"(?:Automatically detected platform |\bdevice_config=)(\w+)")
+"""vLLM's platform: logged at start-up, and in the engine's configuration line."""
 BACKEND_LINE = re.compile(r"Using (\w+) (?:attention )?backend")
 ERROR_WORDS = ("Error", "error:", "Traceback", "refused")
 

@@ -17,6 +17,8 @@ from blocktune.tuner.config.policy import ActuatorSettings, Policy, load_policy
 from blocktune.tuner.operations import free_port
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.restarts import (
+    BACKEND_LINE,
+    PLATFORM_LINE,
     CommandActuator,
     VllmProcessActuator,
     fill_block_size,
@@ -74,6 +76,15 @@ def test_the_command_gets_the_block_size_and_in_flight_requests_are_counted():
     ]
     assert requests_in_flight(metrics_text(32, 3)) == 3
     assert requests_in_flight(metrics_text(32, 0)) == 0
+    # vLLM 0.32.0's CPU build names its platform only in the engine's configuration line.
+    engine_line = "INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: "
+    assert (
+        PLATFORM_LINE.search(engine_line + "kv_cache_dtype=auto, device_config=cpu, ").group(1)
+        == "cpu"
+    )
+    assert BACKEND_LINE.search("INFO Using FLASH_ATTN attention backend out of").group(1) == (
+        "FLASH_ATTN"
+    )
 
 
 def test_actuator_settings_need_their_parts_and_a_placeholder():
