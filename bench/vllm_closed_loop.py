@@ -67,10 +67,13 @@ def vllm_command(venv: Path, port: int, kv_bytes: int) -> list[str]:
     ]
 
 
-def policy_for(venv: Path, port: int, kv_bytes: int, log_file: Path) -> Policy:
+def policy_for(
+    venv: Path, port: int, kv_bytes: int, log_file: Path, calibration: str = "default"
+) -> Policy:
     return Policy.model_validate(
         {
             "deployment": "vllm-cpu-smollm2",
+            "calibration": calibration,
             "model": SMOLLM2_SHAPE,
             "kv_budget": kv_bytes,
             "engine": "vllm",
@@ -153,6 +156,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--calibration",
+        default="default",
+        help="the policy's calibration, e.g. one `blocktune calibrate --device cpu` wrote here",
+    )
+    parser.add_argument(
+        "--switch-to",
+        type=int,
+        default=32,
+        help="when the sidecar keeps its size, the size the script then restarts vLLM with "
+        "(reported as the script's switch, not a decision)",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -160,7 +175,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     kv_bytes = args.kv_cache_mib * 2**20
     log_file = Path(tempfile.mkdtemp(prefix="vllm-closed-loop-")) / "vllm.log"
-    policy = policy_for(args.venv, port, kv_bytes, log_file)
+    policy = policy_for(args.venv, port, kv_bytes, log_file, args.calibration)
     short = [f"Say hello to guest number {i}." for i in range(args.requests)]
     sidecar = Sidecar(policy)
     sidecar.start()
@@ -172,12 +187,18 @@ def main() -> None:
         wait_for(lambda: len(sidecar.window) >= args.requests, 60, "the window to fill")
         decision = sidecar.decide()
         actuation = sidecar.last_actuation or {}
-        after_size = sidecar.current_block_size
+        switched_by = "the sidecar's decision"
+        if not decision.switch:
+            actuation = sidecar.actuator.apply(args.switch_to, 128).to_dict()
+            switched_by = f"this script (the sidecar kept 128), to {args.switch_to}"
+        after_size = sidecar.actuator.block_size()
         second = phase(url, short, args.max_tokens, args.concurrency)
         after_texts = [chat(url, p, 24)[2] for p in CHECK_PROMPTS]
         refused = sidecar.actuator.apply(16, after_size)
         lines += [
             f"decision: {decision.reason}",
+            f"window: {len(sidecar.window)} requests read from vLLM's /metrics",
+            f"switch applied by {switched_by}",
             f"actuation: {actuation.get('status')} {actuation.get('old_block_size')} -> "
             f"{actuation.get('new_block_size')}, restart {actuation.get('pause_s', 0):.1f} s "
             f"(stop to /health); {actuation.get('reason') or 'no drain note'}",

@@ -62,15 +62,17 @@ __all__ = [
 
 log = logging.getLogger("blocktune.sidecar")
 
-LOG_TAIL_LINES = 50
-"""Lines of the server's output kept for the reason of a failed start."""
+LOG_TAIL_LINES = 1000
+"""Lines of a server's output kept for the reason of a failed start (vLLM's root cause comes
+a few hundred lines of tracebacks before it exits)."""
 HEALTH_POLL_S = 0.2
 DRAIN_POLL_S = 0.25
 IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 PLATFORM_LINE = re.compile(r"(?:Automatically detected platform |\bdevice_config=)(\w+)")
 """vLLM's platform: logged at start-up, and in the engine's configuration line."""
 BACKEND_LINE = re.compile(r"Using (\w+) (?:attention )?backend")
-ERROR_WORDS = ("Error", "error:", "Traceback", "refused")
+EXCEPTION_LINE = re.compile(r"(?:^|\] )(\w+(?:Error|Exception): .+)")
+"""An exception's message, alone on its line or after vLLM's log prefix."""
 
 EngineInfoSink = Callable[[str | None, str | None], None]
 """Told (platform, attention backend) as the server's log reveals them."""
@@ -91,11 +93,13 @@ def requests_in_flight(exposition: str) -> int:
     return int(round(total))
 
 
-def _reason_from(error: str, tail: Sequence[str]) -> str:
-    """`error` with the server's last line that reads like an error (else its last line)."""
-    flagged = [line for line in tail if any(word in line for word in ERROR_WORDS)]
-    last = flagged[-1] if flagged else (tail[-1] if tail else "")
-    return f"{error}; its last output: {last.strip()[:300]}" if last else error
+def _reason_from(error: str, output: Sequence[str]) -> str:
+    """`error` with the first exception the server's output names (its root cause), else
+    its last line."""
+    for line in output:
+        if match := EXCEPTION_LINE.search(line):
+            return f"{error}: {match.group(1).strip()[:300]}"
+    return f"{error}; its last output: {output[-1].strip()[:300]}" if output else error
 
 
 class _OutputReader:

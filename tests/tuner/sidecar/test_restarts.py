@@ -21,6 +21,7 @@ from blocktune.tuner.sidecar.restarts import (
     PLATFORM_LINE,
     CommandActuator,
     VllmProcessActuator,
+    _reason_from,
     fill_block_size,
     requests_in_flight,
 )
@@ -82,6 +83,16 @@ def test_the_command_gets_the_block_size_and_in_flight_requests_are_counted():
         PLATFORM_LINE.search(engine_line + "kv_cache_dtype=auto, device_config=cpu, ").group(1)
         == "cpu"
     )
+    output = [
+        "WARNING [system_utils.py:255] ... fd limit errors like `OSError: [Errno 24] Too many`",
+        "(Worker pid=8) ERROR [multiproc_executor.py:1063] ValueError: No common block size "
+        "for 16 (CPU_ATTN: [MultipleOf(32)]).",
+        "RuntimeError: Engine core initialization failed. See root cause above.",
+    ]
+    assert _reason_from("exited with code 1", output) == (
+        "exited with code 1: ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)])."
+    )
+    assert _reason_from("gone", ["bye"]) == "gone; its last output: bye"
     assert BACKEND_LINE.search("INFO Using FLASH_ATTN attention backend out of").group(1) == (
         "FLASH_ATTN"
     )
