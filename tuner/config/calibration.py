@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from blocktune.tuner.config.config_files import ConfigError, load_yaml_model
 from blocktune.tuner.config.policy import KVShape, ModelShape, Policy
+from blocktune.tuner.config.vllm_backends import device_kind
 
 __all__ = [
     "ANALYTIC_FILE",
@@ -329,20 +330,35 @@ def calibration_for(policy: Policy, policy_dir: Path) -> Calibration:
     return load_calibration(path)
 
 
-def device_mismatch(policy: Policy, calibration: Calibration) -> str | None:
-    """A warning when the policy states its device and the calibration was made for
-    another one (names compared without case, spaces or punctuation), else None."""
-    if policy.device is None:
-        return None
-    stated, priced = _letters(policy.device), _letters(calibration.provenance.device)
-    if stated in priced:
+def device_mismatch(
+    policy: Policy, calibration: Calibration, engine_device: str | None = None
+) -> str | None:
+    """A warning when the calibration prices another device than the deployment's, else None.
+
+    The deployment's device is the policy's `device` (names compared without case, spaces
+    or punctuation) and the engine's: `engine_device` as the running engine reports it
+    (vLLM's platform, e.g. 'cpu'), else, for `engine: vllm`, the kind of device its
+    attention backend runs on. The engine's is checked whether or not the policy names a
+    device; without a name only CPU against GPU is told apart.
+    """
+    priced = calibration.provenance.device
+    if policy.device is not None and _letters(policy.device) not in _letters(priced):
+        runs_on = policy.device
+    elif engine_device is not None and device_kind(engine_device) != device_kind(priced):
+        runs_on = f"{engine_device} (as the engine reports)"
+    elif (
+        engine_device is None
+        and policy.engine == "vllm"
+        and policy.backend.device != device_kind(priced)
+    ):
+        runs_on = f"a {policy.backend.device.upper()} (vLLM's {policy.vllm_backend} backend)"
+    else:
         return None
     names = ", ".join(sorted(bundled_names()))
     return (
-        f"the policy runs on {policy.device} but its calibration is for "
-        f"{calibration.provenance.device}: every prediction prices the other device; name a "
-        f"calibration for it with the policy key 'calibration' (bundled: {names}) or measure "
-        "one with `blocktune calibrate`"
+        f"the policy runs on {runs_on} but its calibration is for {priced}: every "
+        "prediction prices the other device; name a calibration for it with the policy key "
+        f"'calibration' (bundled: {names}) or measure one with `blocktune calibrate`"
     )
 
 

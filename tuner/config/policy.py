@@ -34,6 +34,11 @@ Example::
              allowed_hosts: []}   # Host names served beside loopback (a proxy's)
     auth: {token_env: BLOCKTUNE_TOKEN}      # bearer token of the mutating endpoints
     actuator: {kind: none}    # or {kind: http, url: "http://127.0.0.1:8000"}: a worker
+    # engine: vllm, vllm_backend: CPU_ATTN and a vLLM the sidecar restarts with a new size:
+    # actuator: {kind: vllm_process, url: "http://127.0.0.1:8000",
+    #            command: [python, -m, vllm.entrypoints.openai.api_server, --model, m,
+    #                      --port, "8000", --block-size, "{block_size}"]}
+    # or a script of yours: {kind: command, command: [./restart-vllm.sh, "{block_size}"]}
 """
 
 from __future__ import annotations
@@ -65,10 +70,17 @@ from blocktune.tuner.config.defaults import (
     DEFAULT_POLICY,
     DEFAULT_TOKEN_ENV,
 )
+from blocktune.tuner.config.vllm_backends import (
+    DEFAULT_VLLM_BACKEND,
+    VLLM_BACKENDS,
+    VllmBackend,
+    VllmBackendName,
+)
 
 __all__ = [
     "DTYPE_BYTES",
     "MAX_BLOCK_SIZE",
+    "BLOCK_SIZE_PLACEHOLDER",
     "ActuatorSettings",
     "AuthSettings",
     "BatchSettings",
@@ -350,24 +362,87 @@ class AuthSettings(Section):
     token_env: str | None = Field(default=DEFAULT_TOKEN_ENV, min_length=1)
 
 
-class ActuatorSettings(Section):
-    """What applies a switch in `mode: enforce`: nothing, or a blocktune worker over HTTP."""
+BLOCK_SIZE_PLACEHOLDER = "{block_size}"
+"""Replaced by the block size in an actuator's command."""
 
-    kind: Literal["none", "http"] = "none"
-    url: HttpUrl | None = Field(default=None, description="the worker's base URL")
+
+def _command(value: tuple[str, ...]) -> tuple[str, ...]:
+    if not any(BLOCK_SIZE_PLACEHOLDER in part for part in value):
+        raise ValueError(
+            f"the command never says {BLOCK_SIZE_PLACEHOLDER}, so every run would start the "
+            f"same size: put it where the size goes, e.g. '--block-size', "
+            f"'{BLOCK_SIZE_PLACEHOLDER}'"
+        )
+    return value
+
+
+Command = Annotated[
+    tuple[Annotated[str, Field(min_length=1)], ...], Field(min_length=1), AfterValidator(_command)
+]
+
+
+class ActuatorSettings(Section):
+    """What applies a switch in `mode: enforce`: nothing; a blocktune worker over HTTP; a
+    vLLM server the sidecar runs as its child and restarts with the new size
+    (`vllm_process`); or a user's command, such as a systemd or Kubernetes rollout
+    (`command`). In a command, `{block_size}` stands for the size to start."""
+
+    kind: Literal["none", "http", "vllm_process", "command"] = "none"
+    url: HttpUrl | None = Field(
+        default=None,
+        description="http: the worker's base URL; vllm_process and command: the vLLM "
+        "server's base URL, for /health and /metrics",
+    )
+    command: Command | None = Field(
+        default=None, description="vllm_process and command: the argv, with {block_size}"
+    )
     token_env: str | None = Field(default=DEFAULT_TOKEN_ENV, min_length=1)
     timeout: Duration = Field(
-        default=timedelta(seconds=90), description="per attempt; a swap waits for a step"
+        default=timedelta(seconds=90),
+        description="http: per attempt (a swap waits for a step); command: per run",
     )
     retries: int = Field(default=3, ge=0, le=10, description="retries of a transient failure")
     backoff: Duration = Field(default=timedelta(seconds=0.5), description="first retry delay")
+    drain_timeout: DwellDuration = Field(
+        default=timedelta(seconds=30),
+        description="vllm_process: how long a restart waits for in-flight requests",
+    )
+    start_timeout: Duration = Field(
+        default=timedelta(seconds=300),
+        description="vllm_process and command: how long a start may take to answer /health",
+    )
+    stop_timeout: Duration = Field(
+        default=timedelta(seconds=30),
+        description="vllm_process: SIGTERM, then SIGKILL after this long",
+    )
+    log_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="vllm_process: a file the server's output is appended to (relative paths "
+        "start at the policy's folder)",
+    )
 
     @model_validator(mode="after")
-    def _url_for_http(self) -> ActuatorSettings:
+    def _parts_for_the_kind(self) -> ActuatorSettings:
         if self.kind == "http" and self.url is None:
             raise ValueError("kind: http needs the worker's url (e.g. http://127.0.0.1:8000)")
         if self.kind == "none" and self.url is not None:
             raise ValueError("url is set but kind is none: set kind: http to use the worker")
+        if self.kind == "vllm_process" and self.url is None:
+            raise ValueError(
+                "kind: vllm_process needs the server's url (e.g. http://127.0.0.1:8000), "
+                "where it answers /health"
+            )
+        restarts = self.kind in ("vllm_process", "command")
+        if restarts and self.command is None:
+            raise ValueError(
+                f"kind: {self.kind} needs a command, e.g. [python, -m, "
+                "vllm.entrypoints.openai.api_server, --block-size, '{block_size}']"
+            )
+        if not restarts and self.command is not None:
+            raise ValueError(
+                f"command is set but kind is {self.kind}: set kind: vllm_process or command"
+            )
         return self
 
 
@@ -377,11 +452,6 @@ class SloSettings(Section):
     ttft_p99_s: float = Field(default=2.0, gt=0, le=3600, description="seconds")
     tpot_p99_s: float = Field(default=0.15, gt=0, le=60, description="seconds")
 
-
-VLLM_BLOCK_MULTIPLE = 16
-"""vLLM's FlashAttention backend takes block sizes that are multiples of 16 only (its
-`get_supported_kernel_block_sizes` is `MultipleOf(16)` in vllm/v1/attention/backends/
-flash_attn.py); smaller sizes need another backend, so they are refused for `engine: vllm`."""
 
 ENGINE_BATCH_DEFAULTS = {"blocktune": (64, None), "vllm": (256, 2048)}
 """(max_num_seqs, max_num_batched_tokens) when the policy leaves them out: blocktune's
@@ -431,6 +501,11 @@ class Policy(Section):
     )
     engine: Literal["blocktune", "vllm"] = Field(
         default="blocktune", description="the engine the predictions model"
+    )
+    vllm_backend: VllmBackendName = Field(
+        default=DEFAULT_VLLM_BACKEND,
+        description="engine vllm: the attention backend the server runs (CPU_ATTN on a CPU "
+        "build); candidates it refuses are errors",
     )
     batch: BatchSettings = BatchSettings()
     swap_pause: Duration = Field(
@@ -482,20 +557,31 @@ class Policy(Section):
             raise ValueError(
                 "actuator kind http swaps a blocktune worker's block size, but the lengths come "
                 "from a vLLM server (sources.vllm_metrics), which fixes its block size at "
-                "start-up: use actuator kind none (recommendations)"
+                "start-up: use actuator kind vllm_process or command (a restart), or none "
+                "(recommendations)"
+            )
+        if self.actuator.kind == "vllm_process" and self.engine != "vllm":
+            raise ValueError(
+                "actuator kind vllm_process runs a vLLM server, but the policy's engine is "
+                f"{self.engine}: set engine: vllm (and vllm_backend) so the predictions are vLLM's"
             )
         return self
 
     @model_validator(mode="after")
     def _engine_takes_the_candidates(self) -> Policy:
         if self.engine == "vllm":
-            refused = [b for b in self.candidates if b % VLLM_BLOCK_MULTIPLE]
+            refused = self.backend.refused(self.candidates)
             if refused:
                 raise ValueError(
-                    f"engine vllm: candidates {refused} are not multiples of "
-                    f"{VLLM_BLOCK_MULTIPLE}, which vLLM's FlashAttention backend requires"
+                    f"engine vllm: candidates {refused} are refused by the {self.vllm_backend} "
+                    f"backend: {self.backend.rule()}"
                 )
         return self
+
+    @property
+    def backend(self) -> VllmBackend:
+        """The vLLM attention backend the policy names (its block-size rule and device)."""
+        return VLLM_BACKENDS[self.vllm_backend]
 
     @property
     def max_num_seqs(self) -> int:

@@ -143,6 +143,26 @@ class _SidecarMetrics:
         for source, count in sorted(m["source_unobserved_polls"].items()):
             unobserved.add_metric([source], count)
         yield unobserved
+        yield GaugeMetricFamily(
+            "blocktune_switch_cost_seconds",
+            "serving time one switch is priced at (vLLM: the median measured restart, once "
+            "one was measured, else the policy's restart)",
+            value=m["switch_cost_s"],
+        )
+        if m["restarts_s"]:
+            yield GaugeMetricFamily(
+                "blocktune_last_restart_seconds",
+                "the last applied restart, from the stop to the new size's /health",
+                value=m["restarts_s"][-1],
+            )
+        mismatches = CounterMetricFamily(
+            "blocktune_engine_mismatches",
+            "reports of the engine that disagree with the policy (block size, backend, device)",
+            labels=["kind"],
+        )
+        for kind, count in sorted(m["engine_mismatches"].items()):
+            mismatches.add_metric([kind], count)
+        yield mismatches
         if m["swaps"] is not None:
             swaps = CounterMetricFamily(
                 "blocktune_swaps", "block-size swaps asked of the actuator", labels=["status"]

@@ -1,4 +1,5 @@
-"""Applying a switch: a blocktune worker over HTTP, or an engine in the same process.
+"""Applying a switch: a blocktune worker over HTTP, or an engine in the same process
+(restarts of vLLM or a user's command are in `restarts`).
 
 An actuator's `apply(new, old)` never raises: it returns an `Actuation`, the
 worker's `SwapResult` (status `done`, `rejected` or `rolled_back`) with the
@@ -100,6 +101,9 @@ class HttpActuator:
     def target(self) -> str:
         return f"{self.url}/admin/block-size"
 
+    def start(self) -> None:
+        """Nothing to start: the worker runs on its own."""
+
     def apply(self, new_block_size: int, old_block_size: int) -> Actuation:
         """POST the swap, retrying transient failures; the outcome, never an exception."""
         last_error = ""
@@ -191,6 +195,9 @@ class EngineActuator:
                 at=time.time(),
             )
         return Actuation(**result.to_dict(), target=self.target, at=time.time())
+
+    def start(self) -> None:
+        """Nothing to start: the engine belongs to its owner."""
 
     def block_size(self) -> int:
         return self.engine.block_size

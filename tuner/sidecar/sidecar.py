@@ -5,8 +5,9 @@ scraper, a JSONL log follower, or the finished requests of an in-process
 engine) fill the length window; its `DecisionScheduler` runs one decision
 every policy interval: the selector decides against the block size the sidecar
 knows to be in force (the engine's, the worker's, vLLM's `cache_config_info`);
-in `mode: enforce` an actuator (a blocktune worker over HTTP, or the in-process
-engine) applies a switch, and the selector records the switch (`min_dwell`
+in `mode: enforce` an actuator (a blocktune worker over HTTP, the in-process
+engine, a vLLM server run as a child and restarted with the new size, or a
+user's command; see `restarts`) applies a switch, and the selector records the switch (`min_dwell`
 starts) only once the swap is done. Without an
 actuator, or in `mode: recommend`, a switch is a recommendation ("restart vLLM
 with --block-size 8"), logged once per change. After every decision and at
@@ -25,8 +26,11 @@ over HTTP; library use needs no HTTP at all::
 from __future__ import annotations
 
 import logging
+import statistics
 import threading
 import time
+from collections import deque
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +49,7 @@ from blocktune.tuner.sidecar.actuators import (
     HttpActuator,
 )
 from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
+from blocktune.tuner.sidecar.restarts import CommandActuator, VllmProcessActuator
 from blocktune.tuner.sidecar.scheduler import DecisionScheduler
 from blocktune.tuner.sidecar.sources import (
     Observations,
@@ -60,9 +65,15 @@ from blocktune.tuner.sim.window import LengthWindow, WindowSnapshot
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine, FinishedRequest
 
+Actuator = EngineActuator | HttpActuator | VllmProcessActuator | CommandActuator
+
 __all__ = ["PushDisabled", "Sidecar", "SidecarConfigError"]
 
 log = logging.getLogger("blocktune.sidecar")
+
+RESTARTS_KEPT = 5
+"""Measured restarts whose median replaces the policy's `restart` cost."""
+MISMATCH_KINDS = ("block_size", "backend", "device")
 
 
 class SidecarConfigError(ValueError):
@@ -96,7 +107,11 @@ class Sidecar:
         self.window = LengthWindow(policy.window.capacity)
         self.calibration = calibration or calibration_for(policy, base)
         self.selector = Selector(policy, self.calibration, clock=time.time)
-        self.actuator = self._actuator(policy, engine)
+        self._lock = threading.Lock()
+        self._restarts: deque[float] = deque(maxlen=RESTARTS_KEPT)
+        self._mismatches = dict.fromkeys(MISMATCH_KINDS, 0)
+        self._warned: set[tuple[str, object]] = set()
+        self.actuator = self._actuator(policy, engine, base)
         self.scheduler = DecisionScheduler(self._run_decision, policy.interval)
         self.sources: list[PollingSource] = []
         if policy.sources.vllm_metrics is not None:
@@ -112,7 +127,6 @@ class Sidecar:
         if engine is not None:
             self.statuses["engine"] = SourceStatus("engine")
         self.state_file = None if state_file is None else StateFile(state_file)
-        self._lock = threading.Lock()
         self._current = policy.starting_block_size
         self._decision: Decision | None = None
         self._body: dict | None = None  # the last decision as JSON, less the live fields
@@ -130,8 +144,7 @@ class Sidecar:
             self._current = engine.block_size
             engine.add_listener(self._on_finished)
 
-    @staticmethod
-    def _actuator(policy: Policy, engine: Engine | None) -> EngineActuator | HttpActuator | None:
+    def _actuator(self, policy: Policy, engine: Engine | None, base: Path) -> Actuator | None:
         settings = policy.actuator
         if engine is not None:
             return EngineActuator(engine, timeout_s=settings.timeout.total_seconds())
@@ -143,7 +156,43 @@ class Sidecar:
                 retries=settings.retries,
                 backoff_s=settings.backoff.total_seconds(),
             )
+        if settings.kind == "vllm_process":
+            log_file = None if settings.log_file is None else base / settings.log_file
+            return VllmProcessActuator(
+                settings.command,
+                settings.url,
+                initial_block_size=policy.starting_block_size,
+                drain_timeout_s=settings.drain_timeout.total_seconds(),
+                start_timeout_s=settings.start_timeout.total_seconds(),
+                stop_timeout_s=settings.stop_timeout.total_seconds(),
+                log_file=log_file,
+                on_engine_info=self._report_engine,
+            )
+        if settings.kind == "command":
+            return CommandActuator(
+                settings.command,
+                url=settings.url,
+                timeout_s=settings.timeout.total_seconds(),
+                start_timeout_s=settings.start_timeout.total_seconds(),
+            )
         return None
+
+    @property
+    def _restarting(self) -> bool:
+        return isinstance(self.actuator, VllmProcessActuator | CommandActuator)
+
+    def _measured_restart(self, seconds: float) -> None:
+        """A restart took `seconds`: the decisions from now on pay back the median of the
+        last few measured restarts instead of the policy's `restart`."""
+        with self._lock:
+            self._restarts.append(seconds)
+            cost = statistics.median(self._restarts)
+        measured = self.policy.model_copy(update={"restart": timedelta(seconds=cost)})
+        selector = Selector(measured, self.calibration, clock=time.time)
+        if self.selector.last_switch is not None:
+            selector.record_switch(self.selector.last_switch)
+        self.selector = selector
+        log_event(log, "restart_cost_measured", restart_s=round(seconds, 3), cost_s=round(cost, 3))
 
     # ------------------------------------------------------------------ properties
     @property
@@ -167,6 +216,8 @@ class Sidecar:
         if self._started:
             return
         self._started = True
+        if self.actuator is not None:
+            self.actuator.start()
         self._refresh_current()
         self.scheduler.start()
         self._runner.start()
@@ -241,6 +292,44 @@ class Sidecar:
             changed, self._current = self._current != block_size, block_size
         if changed:
             log_event(log, "block_size_in_use", block_size=block_size, source="vllm_metrics")
+        if self.policy.engine == "vllm" and not self.policy.backend.accepts(block_size):
+            self._mismatch(
+                "block_size",
+                block_size,
+                f"vLLM runs block size {block_size}, which the policy's backend refuses "
+                f"({self.policy.backend.rule()}): the policy names the wrong vllm_backend",
+            )
+        elif block_size not in self.policy.candidates:
+            self._mismatch(
+                "block_size",
+                block_size,
+                f"the engine runs block size {block_size}, which is not among the policy's "
+                f"candidates {list(self.policy.candidates)}",
+            )
+
+    def _report_engine(self, platform: str | None, backend: str | None) -> None:
+        """The vLLM server's log names its platform or attention backend."""
+        if backend is not None and backend != self.policy.vllm_backend:
+            self._mismatch(
+                "backend",
+                backend,
+                f"vLLM runs the {backend} attention backend, but the policy names "
+                f"vllm_backend {self.policy.vllm_backend}: set it to {backend}, whose block "
+                "sizes the candidates must fit",
+            )
+        if platform is not None:
+            warning = device_mismatch(self.policy, self.calibration, engine_device=platform)
+            if warning is not None:
+                self._mismatch("device", platform, warning)
+
+    def _mismatch(self, kind: str, value: object, warning: str) -> None:
+        """Count a disagreement between the policy and the engine; log it once per value."""
+        with self._lock:
+            self._mismatches[kind] += 1
+            first = (kind, value) not in self._warned
+            self._warned.add((kind, value))
+        if first:
+            log_event(log, "engine_mismatch", kind=kind, value=value, warning=warning)
 
     # ------------------------------------------------------------------ decisions
     def decide(self) -> Decision | None:
@@ -286,6 +375,8 @@ class Sidecar:
             self._recommended = recommended
             current = self._current
             self._body = self._decision_body(decision, snapshot, recommended)
+        if actuation is not None and actuation.status == "done" and self._restarting:
+            self._measured_restart(actuation.pause_s)
         fields = {"block_size": decision.block_size, "current_block_size": current}
         if actuation is not None:
             fields.update(swap=actuation.status, swap_reason=actuation.reason)
@@ -393,6 +484,9 @@ class Sidecar:
                 "observations": self._observations,
                 "decisions": dict(self._decisions),
                 "swaps": dict(self._swaps) if self.actuator is not None else None,
+                "switch_cost_s": self.selector.policy.switch_cost_s,
+                "restarts_s": list(self._restarts),
+                "engine_mismatches": dict(self._mismatches),
                 "state_save_failures": self._save_failures,
             }
         out["window_requests"] = len(self.window)

@@ -21,7 +21,7 @@ from blocktune.tuner.config.calibration import (
     load_calibration,
 )
 from blocktune.tuner.config.config_files import ConfigError
-from blocktune.tuner.config.policy import load_policy
+from blocktune.tuner.config.policy import Policy, load_policy
 from blocktune.tuner.measure.measure import measure_host
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -73,6 +73,20 @@ def test_a_policy_names_a_bundled_calibration_and_a_device_mismatch_is_warned(tm
     l4_policy = long_document.model_copy(update={"device": "nvidia-l4"})
     assert device_mismatch(l4_policy, l4) is None
     assert device_mismatch(long_document.model_copy(update={"device": None}), l4) is None
+    # With no device named, the engine's says which: a CPU vLLM priced as an L4 is warned of.
+    unnamed = long_document.model_copy(update={"device": None})
+    assert "runs on cpu (as the engine reports)" in device_mismatch(unnamed, l4, "cpu")
+    assert device_mismatch(unnamed, l4, "cuda") is None
+    cpu_vllm = Policy.model_validate(
+        {**unnamed.model_dump(), "engine": "vllm", "vllm_backend": "CPU_ATTN", "candidates": [32]}
+    )
+    warning = device_mismatch(cpu_vllm, l4)
+    assert "a CPU (vLLM's CPU_ATTN backend)" in warning and "NVIDIA L4" in warning
+    cpu_calibration = l4.model_copy(
+        update={"provenance": l4.provenance.model_copy(update={"device": "CPU x86_64 (Linux)"})}
+    )
+    assert device_mismatch(cpu_vllm, cpu_calibration) is None
+    assert "runs on cuda" in device_mismatch(cpu_vllm, cpu_calibration, "cuda")
     # A file of that name next to the policy wins over the bundled one.
     (tmp_path / "analytic_a100_80gb").write_text(l4.to_yaml(), encoding="utf-8")
     assert calibration_for(long_document, tmp_path) == l4

@@ -219,11 +219,23 @@ def test_serving_settings_default_by_engine_and_vllm_refuses_sizes_its_backend_c
     assert (default.max_num_seqs, default.max_num_batched_tokens) == (64, None)
     assert default.switch_cost_s == pytest.approx(0.01)
     data = {**default.model_dump(), "engine": "vllm"}
-    with pytest.raises(ValidationError, match=r"candidates \[8\] are not multiples of 16"):
+    flash = r"candidates \[8\] are refused by the FLASH_ATTN backend: .* of 16 .*flash_attn.py"
+    with pytest.raises(ValidationError, match=flash):
         Policy.model_validate(data)
     vllm = Policy.model_validate({**data, "candidates": [16, 32, 64]})
+    assert vllm.vllm_backend == "FLASH_ATTN" and vllm.backend.device == "gpu"
     assert (vllm.max_num_seqs, vllm.max_num_batched_tokens) == (256, 2048)
     assert vllm.switch_cost_s == 60.0
+    # vLLM's CPU build refuses 16 (it failed after the model loaded); FlashInfer takes 16.
+    cpu = r"candidates \[16\] are refused by the CPU_ATTN backend: .* multiples of 32 .*cpu_attn.py"
+    with pytest.raises(ValidationError, match=cpu):
+        Policy.model_validate({**data, "candidates": [16, 32, 64], "vllm_backend": "CPU_ATTN"})
+    on_cpu = Policy.model_validate({**data, "candidates": [32, 128], "vllm_backend": "CPU_ATTN"})
+    assert on_cpu.backend.accepts(96) and not on_cpu.backend.accepts(48)
+    flashinfer = {**data, "candidates": [16, 128], "vllm_backend": "FLASHINFER"}
+    assert Policy.model_validate(flashinfer).backend.refused((8, 16, 128)) == [8]
+    with pytest.raises(ValidationError, match="vllm_backend\n  Input should be 'CPU_ATTN'"):
+        Policy.model_validate({**data, "candidates": [32], "vllm_backend": "cpu"})
     batch = Policy.model_validate({**data, "candidates": [16], "batch": {"max_num_seqs": 8}})
     assert (batch.max_num_seqs, batch.max_num_batched_tokens) == (8, 2048)
 
