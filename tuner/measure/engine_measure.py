@@ -123,7 +123,7 @@ def grid_for_lengths(
     """`grid` with prefill chunks reaching the longest prompt and decode contexts reaching the
     longest request (`GRID_POINTS` each, geometric from the grid's shortest), every request
     of the grid within `max_tokens` positions."""
-    room = max_tokens - (grid.longest - max(*grid.context_lens, *grid.prefill_chunks))
+    room = max_tokens - 1 - (grid.longest - max(*grid.context_lens, *grid.prefill_chunks))
 
     def reaching(longest: int, shortest: int) -> tuple[int, ...]:
         top = max(shortest, min(int(longest), room))
@@ -181,10 +181,10 @@ def measure_engine(
 
     check_clock(clock, model)
     limit = model.config.max_position_embeddings
-    if grid.longest > limit:
+    if grid.longest >= limit:
         raise ValueError(
-            f"the grid's requests hold up to {grid.longest} tokens, more than the model's "
-            f"{limit} positions: use shorter context_lens and prefill_chunks"
+            f"the grid's requests hold up to {grid.longest} tokens, the model has {limit} "
+            "positions (one more is needed): use shorter context_lens and prefill_chunks"
         )
     rng = np.random.default_rng(seed)
     timer = STEP_CLOCKS[clock]

@@ -168,3 +168,57 @@ def test_validate_needs_an_engine_calibration(measured, tmp_path, capsys):
     args = ["validate", "--policy", str(policy_path), "--calibration", str(kernel_only)]
     assert main(args) == 2
     assert "has no engine section" in capsys.readouterr().err
+
+
+class DriftingClock:
+    """A machine that slows down steadily: every step takes 1 ms more than the one before
+    took, 0.2% more each step, whatever it computes."""
+
+    def __init__(self):
+        self.now, self.calls = 0.0, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls % 2 == 0:  # the end of a timed step
+            self.now += 1e-3 * (1 + 0.002 * self.calls)
+        return self.now
+
+
+@pytest.mark.slow
+def test_a_drifting_machine_shows_no_block_size_effect_when_sizes_are_interleaved(monkeypatch):
+    from blocktune.runtime.loading import load_weights
+    from blocktune.tuner.config.calibration import B_INDEPENDENT
+    from blocktune.tuner.measure import engine_measure
+
+    clock = DriftingClock()
+    monkeypatch.setitem(engine_measure.STEP_CLOCKS, "wall", clock)
+    grid = engine_measure.default_engine_grid(quick=True, block_sizes=(8, 16))
+    engine = engine_measure.measure_engine(
+        load_weights("tiny-random", seed=0), "tiny", grid, "torch"
+    )
+    # 22 steps at each size, timed alternately: B=8 first at even points, B=16 at odd ones.
+    assert clock.calls == 2 * 2 * 22
+    assert not engine.depends_on_block_size
+    assert engine.block_size_verdict() == B_INDEPENDENT
+    assert engine.steps[8] == engine.steps[16]
+    # The fit keeps the measured total: 44 steps of 1 ms and the drift on top.
+    total = sum(1e-3 * (1 + 0.002 * call) for call in range(2, clock.calls + 1, 2))
+    assert clock.now == pytest.approx(total)
+
+
+def test_a_grid_fitted_to_a_trace_reaches_its_longest_prompt_within_the_model():
+    import numpy as np
+
+    from blocktune.tuner.measure.engine_measure import default_engine_grid, grid_for_lengths
+
+    grid = default_engine_grid(quick=False, block_sizes=(8, 16))
+    prompts, totals = np.array([12, 700, 3000]), np.array([40, 900, 3300])
+    fitted = grid_for_lengths(grid, prompts, totals, 8192)
+    assert fitted.prefill_chunks[0] == min(grid.prefill_chunks)
+    assert fitted.prefill_chunks[-1] == 3000 and fitted.context_lens[-1] == 3300
+    assert len(fitted.prefill_chunks) == len(fitted.context_lens) == 4
+    assert fitted.batch_sizes == grid.batch_sizes and fitted.admissions == grid.admissions
+    # Within the model's positions: every request of the grid fits 2048 (one to spare).
+    capped = grid_for_lengths(grid, prompts, totals, 2048)
+    assert capped.longest == 2047
+    assert capped.prefill_chunks[-1] == capped.context_lens[-1] < 2048
