@@ -77,6 +77,14 @@ def run_validate(args: argparse.Namespace) -> int:
         calibration = _engine_calibration(
             args, calibration, model, name, block_sizes, workload, progress
         )
+        clock = calibration.engine.clock
+        if clock == "wall" and args.device == "cpu":
+            print(
+                "warning: the wall clock times the steps on a CPU: the load of other processes "
+                "shows as step time; read the errors against the run-to-run noise printed with "
+                "them (`--clock cpu --threads 1` leaves that load out)",
+                file=sys.stderr,
+            )
         if args.json != "-":
             print(f"trace: {label}, first {len(workload)} requests")
             print(f"model: {name}; policy: {policy.deployment}, KV budget {policy.kv_budget}")
