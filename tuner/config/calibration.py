@@ -190,9 +190,9 @@ class EngineCalibration(_Frozen):
     `depends_on_block_size` is False when every per-size term was within
     `SIGNIFICANCE_SE` standard errors of 0, and the per-size terms are then 0 (the shared
     terms refitted without them), so every size costs the same time; `step_spread` holds
-    quantiles (0 to 1 in equal steps) of measured / fitted over the timed steps, scaled to
-    mean 1, which the simulator samples a factor from per step. The three are absent in
-    calibrations written before joint fits."""
+    quantiles of measured / fitted over the timed steps at the midpoints of equal-probability
+    bins, scaled to mean 1, of which the simulator draws one per step as a factor. The three
+    are absent in calibrations written before joint fits."""
 
     provenance: Provenance
     model: EngineModel

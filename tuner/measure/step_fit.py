@@ -21,8 +21,9 @@ Then:
 - the mean: relative-error least squares undershoots right-skewed step times,
   so every coefficient is scaled by one factor that makes the fitted steps'
   total time equal the measured total;
-- the spread: quantiles of measured / fitted over all rows, scaled to mean 1
-  (`EngineCalibration.step_spread`), which the simulator samples per step.
+- the spread: `SPREAD_QUANTILES` quantiles of measured / fitted over all rows,
+  scaled to mean 1 (`EngineCalibration.step_spread`), of which the simulator
+  draws one per step.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ from blocktune.tuner.config.calibration import (
 
 __all__ = ["SPREAD_QUANTILES", "StepFit", "TimedStep", "fit_steps", "predict_step_s"]
 
-SPREAD_QUANTILES = 21
-"""Quantiles of the step spread a calibration records (0%, 5%, ..., 100%)."""
+SPREAD_QUANTILES = 50
+"""Quantiles of the step spread a calibration records: the midpoints of equal-probability
+bins (1%, 3%, ..., 99%), so a uniform draw among them has the steps' mean and one outlier
+moves no quantile far."""
 
 TERMS = tuple(StepCoefficients.model_fields)
 SHARED_TERMS = tuple(t for t in TERMS if t not in PER_SIZE_TERMS)
@@ -125,7 +128,8 @@ def fit_steps(steps: Iterable[TimedStep]) -> StepFit:
             rms_relative=float(np.sqrt(np.mean(relative**2))),
             max_relative=float(np.abs(relative).max()),
         )
-    spread = np.quantile(ratio / ratio.mean(), np.linspace(0, 1, SPREAD_QUANTILES))
+    spread = np.quantile(ratio, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
+    spread /= spread.mean()
     return StepFit(
         coefficients=coefficients,
         standard_errors={b: _scaled(_coefficients(errors, b), scale) for b in sizes},

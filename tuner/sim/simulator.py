@@ -425,10 +425,10 @@ class _Server:
         )
 
     def _spread_factor(self) -> float:
-        """The next step's factor drawn from the step spread (quantiles at equal steps)."""
+        """The next step's factor: one of the step spread's quantiles, drawn uniformly."""
         if not self.factors:
-            at = np.linspace(0, 1, len(self.spread))
-            self.factors = np.interp(self.rng.random(SPREAD_DRAWS), at, self.spread).tolist()
+            spread = np.asarray(self.spread)
+            self.factors = spread[self.rng.integers(0, len(spread), SPREAD_DRAWS)].tolist()
         return self.factors.pop()
 
     def _preempt_youngest(self) -> None:

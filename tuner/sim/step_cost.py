@@ -99,8 +99,8 @@ class StepCostModel:
 
     @property
     def step_spread(self) -> tuple[float, ...]:
-        """Quantiles of measured / fitted step time (mean 1) that the simulator samples a
-        factor from per step: the engine calibration's, none for a derived or fixed step."""
+        """Quantiles of measured / fitted step time (mean 1), of which the simulator draws one
+        per step as a factor: the engine calibration's, none for a derived or fixed step."""
         engine = self.calibration.engine
         if self.fixed_step_s is not None or engine is None:
             return ()

@@ -60,7 +60,7 @@ def test_the_engine_section_records_model_fit_and_provenance(measured):
     assert shared == {k: v for k, v in engine.steps[16] if k != "per_block_s"}
     assert sorted(engine.standard_errors) == [8, 16]
     assert isinstance(engine.depends_on_block_size, bool)
-    assert len(engine.step_spread) == 21 and engine.step_spread[0] > 0
+    assert len(engine.step_spread) == 50 and engine.step_spread[0] > 0
     assert engine.provenance.grid["admissions"] == [1, 4]
     assert calibration.to_yaml() == path.read_text()  # the file reads back unchanged
 
