@@ -86,13 +86,16 @@ class BlockSizeCheck:
 class Ranking:
     """How both sides order the block sizes by one metric: the orders (best first), the
     pairs whose measured values differ beyond the noise, and how many of them the prediction
-    orders the same way. `agreement` is None when no pair was compared."""
+    orders the same way (a predicted tie on such a pair is not the same way). `agreement` is
+    None when no pair was compared. The texts show the orders with "=" between equal values."""
 
     metric: str
     predicted: list[int]
     measured: list[int]
     compared: int
     agreeing: int
+    predicted_text: str = ""
+    measured_text: str = ""
 
     @property
     def agreement(self) -> bool | None:
@@ -145,7 +148,19 @@ class Validation:
             self.ranking("measured", metric),
             compared=len(pairs),
             agreeing=int(agreeing),
+            predicted_text=self._order_text("predicted", metric),
+            measured_text=self._order_text("measured", metric),
         )
+
+    def _order_text(self, side: str, metric: str) -> str:
+        """The order best first, "=" joining block sizes of equal values ("16 8=64")."""
+        value = {c.block_size: getattr(getattr(c, side), metric) for c in self.checks}
+        order = self.ranking(side, metric)
+        text = str(order[0])
+        for before, size in zip(order, order[1:], strict=False):
+            text += "=" if math.isclose(value[before], value[size], rel_tol=1e-9) else " "
+            text += str(size)
+        return text
 
     @property
     def rankings(self) -> list[Ranking]:

@@ -145,8 +145,8 @@ def format_ranking(ranking: Ranking, *, one_run: bool = False) -> str:
     """One line: both orders by the ranking's metric and how many pairs beyond the noise
     agree, or that no pair differs beyond it (then no agreement is claimed)."""
     name = _HEADINGS[ranking.metric][0]
-    predicted = " ".join(map(str, ranking.predicted))
-    measured = " ".join(map(str, ranking.measured))
+    predicted = ranking.predicted_text or " ".join(map(str, ranking.predicted))
+    measured = ranking.measured_text or " ".join(map(str, ranking.measured))
     beyond = (
         "by more than 1% (one live run each: no noise measured)"
         if one_run

@@ -148,6 +148,18 @@ def test_rankings_compare_only_block_sizes_apart_beyond_the_run_to_run_noise():
     assert "no pair compared" in line and "alike" not in line
 
 
+def test_a_predicted_tie_shows_as_one_and_does_not_order_a_pair_alike():
+    checks = [
+        _check(8, (100, 0.01), (100, 0.010), (100, 0.010)),
+        _check(16, (100, 0.01), (100, 0.010), (100, 0.010)),
+        _check(64, (100, 0.01), (100, 0.013), (100, 0.013)),
+    ]
+    tpot = Validation(trace={}, setup={}, checks=checks).rank("tpot_p50_s")
+    assert (tpot.predicted_text, tpot.measured_text) == ("8=16=64", "8=16 64")
+    assert (tpot.compared, tpot.agreeing, tpot.agreement) == (2, 0, False)
+    assert "predicted 8=16=64, measured 8=16 64: 0 of 2 pair(s)" in format_ranking(tpot)
+
+
 def test_each_ranking_metric_counts_its_own_pairs():
     # tokens/s ties everywhere; TPOT p50 sets 8 apart (and the prediction agrees); TTFT p99
     # sets 64 apart and the prediction orders it the other way.
