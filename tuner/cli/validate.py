@@ -89,6 +89,7 @@ def run_validate(args: argparse.Namespace) -> int:
             print(f"trace: {label}, first {len(workload)} requests")
             print(f"model: {name}; policy: {policy.deployment}, KV budget {policy.kv_budget}")
             print(f"calibration: {calibration.describe()}", flush=True)
+            print(f"calibration: {calibration.engine.block_size_verdict()}", flush=True)
         validation = validate(
             workload,
             policy,

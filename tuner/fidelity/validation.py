@@ -226,6 +226,9 @@ def validate(
         "kv_budget_bytes": int(served.kv_budget),
         "pool_blocks": {b: server.num_blocks(b) for b in served.candidates},
         "calibration": calibration.describe(),
+        "block_size_effect": (
+            calibration.engine.block_size_verdict() if calibration.engine is not None else None
+        ),
         "runs": runs,
     }
     return Validation(trace=trace, setup=setup, checks=checks)
