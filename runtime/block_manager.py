@@ -46,6 +46,7 @@ __all__ = [
     "EmptyTokens",
     "InvalidSize",
     "UnknownSequence",
+    "blocks_for",
 ]
 
 
@@ -74,6 +75,18 @@ CacheKey = bytes
 
 ROOT_KEY: CacheKey = b""
 """The parent key of a sequence's first block."""
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks of `block_size` slots that hold the K/V of `tokens` tokens.
+
+    The one owner of "blocks for a request of p tokens": a request admitted with p
+    tokens (prompt, plus what it generated before a preemption) holds the K/V of those
+    p in its admission step, so it takes `blocks_for(p, B)` blocks; the token that
+    step samples needs its slot only in the next step. The engine admits with it and
+    the serving simulator reserves with it."""
+    return -(-tokens // block_size)
+
 
 _BLAKE2B = hashlib.blake2b(digest_size=16)  # copied per digest: cheaper than a constructor call
 
@@ -312,7 +325,7 @@ class BlockManager:
         # The block holding the last token is never taken from the cache: the engine
         # must compute that token to get the next token's logits.
         hits = self._cached_prefix(keys[: (len(tokens) - 1) // size])
-        num_needed = -(-len(tokens) // size) - len(hits)
+        num_needed = blocks_for(len(tokens), size) - len(hits)
         reclaimed = sum(1 for b in hits if self._refcount[b] == 0)
         if num_needed > self.num_free_blocks - reclaimed:
             return None

@@ -41,7 +41,7 @@ import torch
 from blocktune.kernels import is_power_of_two
 from blocktune.kernels.cache_ops import copy_blocks, warmup_cache_ops
 from blocktune.kernels.paged_attention import warmup
-from blocktune.runtime.block_manager import BlockManager
+from blocktune.runtime.block_manager import BlockManager, blocks_for
 from blocktune.runtime.block_table import BlockTable
 from blocktune.runtime.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CANDIDATES
 from blocktune.runtime.hot_swap import (
@@ -307,7 +307,7 @@ class Engine:
         if problems:
             raise RequestError(problems[0])
         stored = self._max_stored_tokens(len(prompt), params)
-        needed = -(-stored // self.block_size)
+        needed = blocks_for(stored, self.block_size)
         if needed > self.blocks.num_blocks:
             raise RequestTooLarge(
                 f"the request can hold up to {stored} tokens ({needed} blocks of "

@@ -22,7 +22,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     """Measure paged-attention time per block size over a grid of contexts and batch sizes,
     host bookkeeping per token and copy bandwidth; write a calibration YAML with provenance.
     With --engine, also time whole engine steps of a model (decode batches x contexts and
-    prefill chunks per block size) and fit the simulator's step form to them."""
+    admission steps, round-robin over the block sizes) and fit the simulator's step form to
+    them jointly; --trace fits the grid's prefill chunks and contexts to a trace's lengths."""
     import torch
 
     from blocktune.runtime.model import ModelLoadError
@@ -36,9 +37,15 @@ def run_calibrate(args: argparse.Namespace) -> int:
         return 2
     grid_given = (args.batch_sizes, args.context_lens, args.prefill_chunks) != (None,) * 3
     chosen = args.model_shape is not None or args.model != "tiny-random" or args.clock != "wall"
-    if (chosen or grid_given) and not args.engine:
+    if (chosen or grid_given or args.trace is not None) and not args.engine:
         print(
-            "error: --model, --model-shape, --clock and the grid flags apply to --engine",
+            "error: --model, --model-shape, --clock, --trace and the grid flags apply to --engine",
+            file=sys.stderr,
+        )
+        return 2
+    if args.trace is not None and (args.context_lens or args.prefill_chunks):
+        print(
+            "error: --trace chooses the context lengths and prefill chunks; give either",
             file=sys.stderr,
         )
         return 2
@@ -53,16 +60,23 @@ def run_calibrate(args: argparse.Namespace) -> int:
     else:
         try:
             model, name = load_shaped_model_from_args(args, device=device)
+            grid = _engine_grid(args)
+            if args.trace is not None:
+                grid = _grid_for_trace(args, grid, model.config.max_position_embeddings)
+                progress(
+                    f"grid for {args.trace}: prefill chunks {list(grid.prefill_chunks)}, "
+                    f"contexts {list(grid.context_lens)}"
+                )
             calibration = measure_engine_calibration(
                 model,
                 name,
-                _engine_grid(args),
+                grid,
                 quick=args.quick,
                 clock=args.clock,
                 seed=args.seed,
                 progress=progress,
             )
-        except (ModelLoadError, ValueError) as error:
+        except (ModelLoadError, ValueError) as error:  # TraceError is a ValueError too
             print(f"error: {error}", file=sys.stderr)
             return 2
     text = calibration.to_yaml()
@@ -90,8 +104,27 @@ def _engine_grid(args: argparse.Namespace):
     return replace(grid, **given)
 
 
+def _grid_for_trace(args: argparse.Namespace, grid, max_tokens: int):
+    """`grid` fitted to the lengths of the first --trace-requests requests of --trace."""
+    from blocktune.traces.loaders import load_trace
+    from blocktune.tuner.measure.engine_measure import grid_for_lengths
+
+    loaded = load_trace(
+        args.trace,
+        args.format,
+        rate=1.0 if args.format == "lengths" else None,  # only the lengths matter here
+        prompt_col=args.prompt_col,
+        output_col=args.output_col,
+    )
+    frame = loaded.frame.sort_values("arrival_s").head(args.trace_requests)
+    prompts = frame["prompt_tokens"].to_numpy()
+    return grid_for_lengths(grid, prompts, prompts + frame["output_tokens"].to_numpy(), max_tokens)
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `calibrate` to the command line."""
+    from blocktune.traces.formats import FORMATS
+    from blocktune.tuner.cli.validate import DEFAULT_REQUESTS
     from blocktune.tuner.measure.engine_measure import default_engine_grid
 
     parser = commands.add_parser(
@@ -143,6 +176,28 @@ def register(commands: argparse._SubParsersAction) -> None:
             metavar="N",
             help=f"--engine: {help_text} to time (default: {default})",
         )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="--engine: fit the prefill chunks to this trace's longest prompt and the contexts "
+        "to its longest request (within the model's positions), as `blocktune validate` does",
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="auto",
+        help="--trace's format (default: auto)",
+    )
+    parser.add_argument("--prompt-col", help="--trace's prompt length column, if not standard")
+    parser.add_argument("--output-col", help="--trace's output length column, if not standard")
+    parser.add_argument(
+        "--trace-requests",
+        type=positive_int,
+        default=DEFAULT_REQUESTS,
+        metavar="N",
+        help="--trace: fit the grid to its first N requests, as validate serves them "
+        "(default: %(default)s)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts")
     add_measurement_arguments(parser)
     parser.set_defaults(handler=run_calibrate)

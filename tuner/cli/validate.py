@@ -3,10 +3,14 @@
 Serves the first `--requests` requests of TRACE (default: the embedded
 customer-service day) on the live engine with a virtual clock, `--runs` times
 per block size, and replays them on the simulator with an engine calibration
-(`--calibration FILE`, or one measured first with the default grid). Prints
-the predicted and measured metrics with their relative errors, the run-to-run
-noise and whether both rank the block sizes the same way; `--json FILE`
-writes the same as JSON (``-`` prints it instead of the table).
+(`--calibration FILE`, or one measured first on a grid fitted to the trace's
+lengths: prefill chunks up to its longest prompt, decode contexts up to its
+longest request). On a CPU device it times steps by the timing thread's CPU
+time with one torch thread unless told otherwise. Prints the predicted and
+measured metrics with their relative errors, the run-to-run noise and, by
+tokens/s, TPOT p50 and TTFT p99, how many pairs of block sizes beyond the
+noise both order alike; `--json FILE` writes the same as JSON (``-`` prints
+it instead of the table).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from blocktune.tuner.cli._common import (
 if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
     from blocktune.tuner.config.calibration import Calibration
+    from blocktune.tuner.sim.workload import Workload
 
 __all__ = ["register"]
 
@@ -42,11 +47,14 @@ def run_validate(args: argparse.Namespace) -> int:
     """Serve a trace on the live engine (a virtual clock advanced by each step's measured
     time) and on the simulator, for each block size; print predicted and measured tokens/s,
     TTFT and TPOT p50/p99, peak KV blocks and preemptions with their relative errors, and
-    whether both rank the block sizes the same way."""
+    how both rank the block sizes by tokens/s, TPOT p50 and TTFT p99. Without --calibration
+    an engine calibration is measured first, its prefill grid reaching the trace's longest
+    prompt; on a CPU, steps are timed by the CPU clock with one thread by default."""
     from blocktune.tuner.cli._common import (
         load_policy_and_calibration,
         load_shaped_model_from_args,
         load_trace_or_day,
+        measurement_defaults,
     )
     from blocktune.tuner.fidelity.validation import validate
     from blocktune.tuner.fidelity.validation_report import (
@@ -60,16 +68,28 @@ def run_validate(args: argparse.Namespace) -> int:
         print(f"validate: {message}", file=sys.stderr, flush=True)
 
     try:
+        measurement_defaults(args, args.device)
         policy, calibration = load_policy_and_calibration(args.policy, args.calibration)
         frame, label = load_trace_or_day(args)
         workload = Workload.from_frame(frame.sort_values("arrival_s").head(args.requests))
         model, name = load_shaped_model_from_args(args, device=args.device)
         block_sizes = tuple(args.block_sizes or policy.candidates)
-        calibration = _engine_calibration(args, calibration, model, name, block_sizes, progress)
+        calibration = _engine_calibration(
+            args, calibration, model, name, block_sizes, workload, progress
+        )
+        clock = calibration.engine.clock
+        if clock == "wall" and args.device == "cpu":
+            print(
+                "warning: the wall clock times the steps on a CPU: the load of other processes "
+                "shows as step time; read the errors against the run-to-run noise printed with "
+                "them (`--clock cpu --threads 1` leaves that load out)",
+                file=sys.stderr,
+            )
         if args.json != "-":
             print(f"trace: {label}, first {len(workload)} requests")
             print(f"model: {name}; policy: {policy.deployment}, KV budget {policy.kv_budget}")
             print(f"calibration: {calibration.describe()}", flush=True)
+            print(f"calibration: {calibration.engine.block_size_verdict()}", flush=True)
         validation = validate(
             workload,
             policy,
@@ -77,7 +97,6 @@ def run_validate(args: argparse.Namespace) -> int:
             calibration,
             block_sizes,
             runs=args.runs,
-            rank_by=args.rank_by,
             seed=args.seed,
             progress=progress,
         )
@@ -103,14 +122,17 @@ def _engine_calibration(
     model: LlamaModel,
     name: str,
     block_sizes: tuple[int, ...],
+    workload: Workload,
     progress: Callable[[str], None],
 ) -> Calibration:
-    """The calibration given (it must have an engine section), or one measured now with the
-    default grid; torch uses the calibration's threads unless --threads says otherwise."""
+    """The calibration given (it must have an engine section), or one measured now on the
+    default grid fitted to the workload's lengths; torch uses the calibration's threads
+    unless --threads says otherwise."""
     from blocktune.tuner.cli._common import set_threads
     from blocktune.tuner.config.calibration import CalibrationError
     from blocktune.tuner.measure.engine_measure import (
         default_engine_grid,
+        grid_for_lengths,
         measure_engine_calibration,
     )
 
@@ -121,24 +143,35 @@ def _engine_calibration(
                 "`blocktune calibrate --engine`"
             )
         set_threads(args.threads or calibration.engine.threads)
+        grid = calibration.engine.provenance.grid or {}
+        reach, longest = max(grid.get("prefill_chunks") or [0]), int(workload.prompt_tokens.max())
+        if reach < longest:
+            print(
+                f"warning: {args.calibration} times prefills of up to {reach} tokens, the "
+                f"trace's longest prompt has {longest}: longer prompts are extrapolated "
+                "(`blocktune calibrate --engine --trace` fits the grid to a trace)",
+                file=sys.stderr,
+            )
         return calibration
     set_threads(args.threads)
-    progress("measuring an engine calibration first (default grid)")
-    return measure_engine_calibration(
-        model,
-        name,
+    grid = grid_for_lengths(
         default_engine_grid(quick=False, block_sizes=block_sizes),
-        quick=False,
-        clock=args.clock,
-        seed=args.seed,
-        progress=progress,
+        workload.prompt_tokens,
+        workload.total_tokens,
+        model.config.max_position_embeddings,
+    )
+    progress(
+        f"measuring an engine calibration first ({args.clock} clock, prefill chunks "
+        f"{list(grid.prefill_chunks)}, contexts {list(grid.context_lens)})"
+    )
+    # The comparison prices steps by the engine section alone: the kernel part's quick grid.
+    return measure_engine_calibration(
+        model, name, grid, quick=True, clock=args.clock, seed=args.seed, progress=progress
     )
 
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `validate` to the command line."""
-    from blocktune.tuner.fidelity.served_metrics import METRICS
-
     parser = commands.add_parser(
         "validate",
         help="compare the simulator's predictions with the live engine, per block size",
@@ -182,15 +215,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="live runs per block size, for the run-to-run noise (default: %(default)s)",
     )
     parser.add_argument(
-        "--rank-by",
-        choices=METRICS,
-        default="tokens_per_s",
-        help="metric both sides rank the block sizes by (default: %(default)s)",
-    )
-    parser.add_argument(
         "--json",
         metavar="FILE",
         help="write the comparison as JSON to FILE ('-': print it instead of the table)",
     )
-    add_measurement_arguments(parser)
+    add_measurement_arguments(parser, shared_cpu=True)
     parser.set_defaults(handler=run_validate)

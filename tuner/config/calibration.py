@@ -47,6 +47,9 @@ __all__ = [
     "EngineModel",
     "FitResiduals",
     "StepCoefficients",
+    "B_INDEPENDENT",
+    "PER_SIZE_TERMS",
+    "SIGNIFICANCE_SE",
     "calibration_for",
     "KernelCoefficients",
     "Provenance",
@@ -60,16 +63,28 @@ __all__ = [
 ]
 
 ANALYTIC_FILE = "analytic_default.yaml"
+SIGNIFICANCE_SE = 2.0
+"""A per-size step term counts as non-zero beyond this many standard errors."""
 STEP_FORM = (
     "step_s = fixed_s + per_block_s * sum_j ceil(ctx_j / B) + per_token_s * sum_j ctx_j "
     "+ per_padded_token_s * n * max_j ctx_j + per_sequence_s * n "
-    "+ prefill_s_per_token * prefill_tokens + prefill_s_per_pair * prefill_pairs"
+    "+ prefill_s_per_token * prefill_tokens + prefill_s_per_pair * prefill_pairs "
+    "+ per_admission_s * prompt_chunks"
 )
-"""The engine step time fitted per block size B: n requests in the step, ctx_j the tokens
-request j holds, prefill_tokens the prompt tokens the step computes and prefill_pairs their
+"""The engine step time at block size B: n requests in the step, ctx_j the tokens whose K/V
+request j holds, prefill_tokens the prompt tokens the step computes, prefill_pairs their
 attention pairs (per prompt chunk, its tokens times its prompt's tokens up to the chunk's
-end). `n * max ctx` is the batch padded to its longest context, as a decode attention that
-gathers the batch into one padded tensor reads it."""
+end) and prompt_chunks how many prompts it computes a chunk of (each admitted request, when
+prompts prefill whole). `n * max ctx` is the batch padded to its longest context, as a decode
+attention that gathers the batch into one padded tensor reads it. Only `per_block_s` is
+fitted per block size (`PER_SIZE_TERMS`); the other terms are fitted once for all sizes."""
+
+PER_SIZE_TERMS = ("per_block_s",)
+"""The `StepCoefficients` fields an engine calibration fits per block size: the terms whose
+work depends on B. The rest are one value for every size."""
+
+B_INDEPENDENT = "the step time does not depend on B at this grid"
+"""What a calibration says when every per-size term is within its errors of 0."""
 
 
 def prefill_pairs(before: int, computed: int) -> int:
@@ -146,8 +161,8 @@ class EngineModel(_Frozen):
 
 
 class StepCoefficients(_Frozen):
-    """One engine step's time at one block size, the terms of `STEP_FORM` [s]. The padded
-    and pair terms are 0 in calibrations written before they were fitted."""
+    """One engine step's time at one block size, the terms of `STEP_FORM` [s]. The padded,
+    pair and admission terms are 0 in calibrations written before they were fitted."""
 
     fixed_s: float = Field(ge=0)
     per_block_s: float = Field(ge=0)
@@ -156,6 +171,7 @@ class StepCoefficients(_Frozen):
     prefill_s_per_token: float = Field(ge=0)
     per_padded_token_s: float = Field(default=0.0, ge=0)
     prefill_s_per_pair: float = Field(default=0.0, ge=0)
+    per_admission_s: float = Field(default=0.0, ge=0)
 
 
 class FitResiduals(_Frozen):
@@ -168,7 +184,16 @@ class FitResiduals(_Frozen):
 
 
 class EngineCalibration(_Frozen):
-    """Engine steps of one model timed on a device, fitted per block size (`STEP_FORM`)."""
+    """Engine steps of one model timed on a device and fitted to `STEP_FORM`: the terms of
+    `PER_SIZE_TERMS` per block size, the others once across all sizes.
+
+    `standard_errors` holds each coefficient's standard error (same layout as `steps`);
+    `depends_on_block_size` is False when every per-size term was within
+    `SIGNIFICANCE_SE` standard errors of 0, and the per-size terms are then 0 (the shared
+    terms refitted without them), so every size costs the same time; `step_spread` holds
+    quantiles of measured / fitted over the timed steps at the midpoints of equal-probability
+    bins, scaled to mean 1, of which the simulator draws one per step as a factor. The three
+    are absent in calibrations written before joint fits."""
 
     provenance: Provenance
     model: EngineModel
@@ -178,15 +203,39 @@ class EngineCalibration(_Frozen):
     )
     steps: dict[int, StepCoefficients] = Field(min_length=1)
     residuals: dict[int, FitResiduals] = Field(min_length=1)
+    standard_errors: dict[int, StepCoefficients] | None = None
+    depends_on_block_size: bool | None = None
+    step_spread: tuple[float, ...] = ()
 
     @model_validator(mode="after")
     def _residuals_per_block_size(self) -> EngineCalibration:
-        if set(self.steps) != set(self.residuals):
+        covered = [("residuals", self.residuals)]
+        if self.standard_errors is not None:
+            covered.append(("standard_errors", self.standard_errors))
+        for name, section in covered:
+            if set(self.steps) != set(section):
+                raise ValueError(
+                    f"steps cover block sizes {sorted(self.steps)} but {name} covers "
+                    f"{sorted(section)}; both must list the same ones"
+                )
+        if self.step_spread and (
+            len(self.step_spread) < 2
+            or min(self.step_spread) <= 0
+            or list(self.step_spread) != sorted(self.step_spread)
+        ):
             raise ValueError(
-                f"steps cover block sizes {sorted(self.steps)} but residuals cover "
-                f"{sorted(self.residuals)}; both must list the same ones"
+                "step_spread must be at least two positive quantiles in increasing order"
             )
         return self
+
+    def block_size_verdict(self) -> str:
+        """Whether the step time depends on B at the calibration's grid, in words."""
+        if self.depends_on_block_size is None:
+            return "fitted per block size (a calibration before joint fits)"
+        if not self.depends_on_block_size:
+            return B_INDEPENDENT
+        terms = ", ".join(PER_SIZE_TERMS)
+        return f"the step time depends on B ({terms} beyond {SIGNIFICANCE_SE:g} standard errors)"
 
     def require_model(self, shape: ModelShape) -> None:
         """Raise `CalibrationError` unless `shape` is the model these steps were timed on."""
@@ -263,7 +312,11 @@ class Calibration(_Frozen):
         data = self.model_dump(mode="json", exclude_none=True)
         sections = [(data, "kernel"), (data, "host_s_per_token")]
         if "engine" in data:
-            sections += [(data["engine"], "steps"), (data["engine"], "residuals")]
+            sections += [
+                (data["engine"], key)
+                for key in ("steps", "residuals", "standard_errors")
+                if key in data["engine"]
+            ]
         for parent, key in sections:
             parent[key] = {int(b): value for b, value in parent[key].items()}
         return yaml.safe_dump(data, sort_keys=False)

@@ -3,7 +3,7 @@
 `blocktune replay --validation FILE` reads the JSON that `blocktune validate`
 wrote for the calibration the replay uses: how far the simulator's predictions
 were from the live engine, per block size and as the median over them, and
-whether both ranked the block sizes alike. The replay report carries it
+per ranking metric how many pairs of block sizes both ordered alike. The replay report carries it
 (`fidelity` in report.json, a line under the table), and warns where a median
 error is above `FIDELITY_GOALS`, where the rankings disagreed, or where the
 check was made with another calibration than the replay's.
@@ -41,23 +41,36 @@ class _Result(_Read):
     relative_error: dict[str, float | None]
 
 
+class _Ranking(_Read):
+    compared_pairs: int
+    agreeing_pairs: int
+    agreement: bool | None
+
+
 class Fidelity(_Read):
     """The parts of a `blocktune validate --json` file that a replay reports."""
 
     trace: _Trace
     setup: _Setup
-    rank_by: str
-    rank_agreement: bool
+    rankings: dict[str, _Ranking]
     median_abs_error: dict[str, float | None]
     results: list[_Result]
 
     def summary(self) -> str:
-        """One line: the check's trace, its median errors and whether the rankings agree."""
+        """One line: the check's trace, its median errors and, per ranking metric, how many
+        pairs beyond the noise were ordered alike (or that none was compared)."""
         errors = format_median_errors(self.median_abs_error)
-        verdict = "agree" if self.rank_agreement else "disagree"
+        ranks = []
+        for metric, r in self.rankings.items():
+            shown = (
+                f"{r.agreeing_pairs} of {r.compared_pairs} pairs alike"
+                if r.compared_pairs
+                else "no pair beyond the noise"
+            )
+            ranks.append(f"{metric_title(metric)} {shown}")
         return (
             f"fidelity (blocktune validate on {self.trace.label}): median |error| over the "
-            f"block sizes {errors}; rankings by {self.rank_by} {verdict}"
+            f"block sizes {errors}; rankings: {', '.join(ranks)}"
         )
 
     def warnings(self, calibration: str) -> list[str]:
@@ -76,11 +89,14 @@ class Fidelity(_Read):
                     f"{metric_title(metric)} (median over the block sizes; aimed for under "
                     f"{goal:.0%}): read this replay's figures of it as estimates"
                 )
-        if not self.rank_agreement:
-            out.append(
-                f"the simulator and the live engine ranked the block sizes differently by "
-                f"{self.rank_by}: the best size of this replay may not be the engine's"
-            )
+        for metric, r in self.rankings.items():
+            if r.agreement is False:
+                out.append(
+                    f"the simulator and the live engine ranked the block sizes differently by "
+                    f"{metric_title(metric)} ({r.compared_pairs - r.agreeing_pairs} of "
+                    f"{r.compared_pairs} pairs): the best size of this replay may not be the "
+                    "engine's"
+                )
         return out
 
     def to_dict(self) -> dict:
@@ -88,8 +104,7 @@ class Fidelity(_Read):
         return {
             "trace": self.trace.label,
             "calibration": self.setup.calibration,
-            "rank_by": self.rank_by,
-            "rank_agreement": self.rank_agreement,
+            "rankings": {m: r.model_dump() for m, r in self.rankings.items()},
             "median_abs_error": self.median_abs_error,
             "relative_error": {r.block_size: r.relative_error for r in self.results},
         }

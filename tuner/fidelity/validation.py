@@ -14,13 +14,18 @@ so then only the simulator reuses prefix blocks).
 `BlockSizeCheck` holds the predicted and the measured metrics; the relative
 error is predicted / measured - 1 (against the mean of the live runs), and its
 noise is the spread of the live runs relative to their mean. Both sides rank
-the block sizes by `rank_by`; a pair of block sizes whose measured values
-differ by less than the run-to-run noise (the widest spread of any block
-size's live runs) is a tie and is not compared.
+the block sizes by each of `RANK_METRICS` (tokens/s, TPOT p50, TTFT p99); per
+metric, a pair of block sizes whose measured values differ by less than the
+run-to-run noise (the widest spread of any block size's live runs) or by less
+than `RANK_TIE` is a tie and is not compared. A metric with no pair compared
+has no agreement to report (`Ranking.agreement` is None). Each live engine is
+freed before the next is built, so only one block size's pool is allocated at
+a time.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +36,7 @@ import numpy as np
 from blocktune.tuner.config.calibration import Calibration
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.live import serve_live
-from blocktune.tuner.fidelity.served_metrics import HIGHER_IS_BETTER, METRICS, ServedMetrics
+from blocktune.tuner.fidelity.served_metrics import HIGHER_IS_BETTER, ServedMetrics
 from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
@@ -39,9 +44,11 @@ from blocktune.tuner.sim.workload import Workload
 if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
 
-__all__ = ["BlockSizeCheck", "Validation", "validate"]
+__all__ = ["RANK_METRICS", "BlockSizeCheck", "Ranking", "Validation", "validate"]
 
 
+RANK_METRICS = ("tokens_per_s", "tpot_p50_s", "ttft_p99_s")
+"""The metrics both sides rank the block sizes by."""
 RANK_TIE = 0.01
 """Measured values within this fraction of each other rank as ties whatever the noise: when
 tokens/s follows the arrivals, live runs repeat it exactly and block sizes differ by 0.01%."""
@@ -76,18 +83,38 @@ class BlockSizeCheck:
 
 
 @dataclass(frozen=True)
+class Ranking:
+    """How both sides order the block sizes by one metric: the orders (best first), the
+    pairs whose measured values differ beyond the noise, and how many of them the prediction
+    orders the same way (a predicted tie on such a pair is not the same way). `agreement` is
+    None when no pair was compared. The texts show the orders with "=" between equal values."""
+
+    metric: str
+    predicted: list[int]
+    measured: list[int]
+    compared: int
+    agreeing: int
+    predicted_text: str = ""
+    measured_text: str = ""
+
+    @property
+    def agreement(self) -> bool | None:
+        return None if not self.compared else self.agreeing == self.compared
+
+
+@dataclass(frozen=True)
 class Validation:
-    """Every block size's check on one workload, and how both sides rank them."""
+    """Every block size's check on one workload, and how both sides rank them by each of
+    `RANK_METRICS`."""
 
     trace: dict
     setup: dict
     checks: list[BlockSizeCheck]
-    rank_by: str
 
-    def ranking(self, side: str) -> list[int]:
-        """Block sizes best first by `rank_by`, as `side` ("predicted" or "measured") has it."""
-        sign = -1 if self.rank_by in HIGHER_IS_BETTER else 1
-        ordered = sorted(self.checks, key=lambda c: sign * getattr(getattr(c, side), self.rank_by))
+    def ranking(self, side: str, metric: str) -> list[int]:
+        """Block sizes best first by `metric`, as `side` ("predicted" or "measured") has it."""
+        sign = -1 if metric in HIGHER_IS_BETTER else 1
+        ordered = sorted(self.checks, key=lambda c: sign * getattr(getattr(c, side), metric))
         return [c.block_size for c in ordered]
 
     def noise(self, metric: str) -> float:
@@ -95,10 +122,10 @@ class Validation:
         size (0 with one run per block size)."""
         return max(np.ptp([getattr(r, metric) for r in c.measured_runs]) for c in self.checks)
 
-    def compared_pairs(self) -> list[tuple[BlockSizeCheck, BlockSizeCheck]]:
-        """Pairs of block sizes whose measured `rank_by` differs by more than its noise and
+    def compared_pairs(self, metric: str) -> list[tuple[BlockSizeCheck, BlockSizeCheck]]:
+        """Pairs of block sizes whose measured `metric` differs by more than its noise and
         by more than `RANK_TIE` of the larger value."""
-        noise, metric = self.noise(self.rank_by), self.rank_by
+        noise = self.noise(metric)
         pairs = []
         for i, a in enumerate(self.checks):
             for b in self.checks[i + 1 :]:
@@ -107,15 +134,38 @@ class Validation:
                     pairs.append((a, b))
         return pairs
 
-    @property
-    def rank_agreement(self) -> bool:
-        """Whether the prediction orders every pair beyond the noise as the measurement does."""
-        metric = self.rank_by
-        return all(
+    def rank(self, metric: str) -> Ranking:
+        """Both sides' order by `metric` and their agreement on the pairs beyond the noise."""
+        pairs = self.compared_pairs(metric)
+        agreeing = sum(
             np.sign(getattr(a.predicted, metric) - getattr(b.predicted, metric))
             == np.sign(getattr(a.measured, metric) - getattr(b.measured, metric))
-            for a, b in self.compared_pairs()
+            for a, b in pairs
         )
+        return Ranking(
+            metric,
+            self.ranking("predicted", metric),
+            self.ranking("measured", metric),
+            compared=len(pairs),
+            agreeing=int(agreeing),
+            predicted_text=self._order_text("predicted", metric),
+            measured_text=self._order_text("measured", metric),
+        )
+
+    def _order_text(self, side: str, metric: str) -> str:
+        """The order best first, "=" joining block sizes of equal values ("16 8=64")."""
+        value = {c.block_size: getattr(getattr(c, side), metric) for c in self.checks}
+        order = self.ranking(side, metric)
+        text = str(order[0])
+        for before, size in zip(order, order[1:], strict=False):
+            text += "=" if math.isclose(value[before], value[size], rel_tol=1e-9) else " "
+            text += str(size)
+        return text
+
+    @property
+    def rankings(self) -> list[Ranking]:
+        """`rank` for each of `RANK_METRICS`."""
+        return [self.rank(metric) for metric in RANK_METRICS]
 
     def median_abs_error(self, metric: str) -> float:
         """The median over block sizes of |relative error| of `metric` (nan if none exists)."""
@@ -131,7 +181,6 @@ def validate(
     block_sizes: tuple[int, ...],
     *,
     runs: int = 2,
-    rank_by: str = "tokens_per_s",
     step_s: float | None = None,
     seed: int = 0,
     progress: Callable[[str], None] = lambda _: None,
@@ -144,8 +193,8 @@ def validate(
     the model or a block size."""
     from blocktune.tuner.measure.engine_measure import STEP_CLOCKS, check_clock, model_shape
 
-    if runs < 1 or rank_by not in METRICS:
-        raise ValueError(f"need runs >= 1 and rank_by among {METRICS}, got {runs}, {rank_by!r}")
+    if runs < 1:
+        raise ValueError(f"need runs >= 1, got {runs}")
     if policy.engine != "blocktune":
         raise ValueError(f"the live side is blocktune's engine; the policy models {policy.engine}")
     calibration.require(block_sizes)
@@ -162,12 +211,14 @@ def validate(
     checks = []
     for block_size in served.candidates:
         progress(f"B={block_size}: simulating")
-        predicted = ServedMetrics.of(kept, simulate(kept, server, block_size))
+        predicted = ServedMetrics.of(kept, simulate(kept, server, block_size, seed=seed))
         measured = []
         for i in range(runs):
             progress(f"B={block_size}: live run {i + 1} of {runs}")
             engine = _engine(model, server, block_size, kept)
             live = serve_live(engine, kept, step_s=step_s, timer=STEP_CLOCKS[clock], seed=seed)
+            del engine  # free this pool before the next one is allocated
+            gc.collect()
             measured.append(ServedMetrics.of(kept, live))
         checks.append(BlockSizeCheck(block_size, predicted, tuple(measured)))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
@@ -175,9 +226,12 @@ def validate(
         "kv_budget_bytes": int(served.kv_budget),
         "pool_blocks": {b: server.num_blocks(b) for b in served.candidates},
         "calibration": calibration.describe(),
+        "block_size_effect": (
+            calibration.engine.block_size_verdict() if calibration.engine is not None else None
+        ),
         "runs": runs,
     }
-    return Validation(trace=trace, setup=setup, checks=checks, rank_by=rank_by)
+    return Validation(trace=trace, setup=setup, checks=checks)
 
 
 def _engine(model: LlamaModel, server: StepCostModel, block_size: int, workload: Workload):

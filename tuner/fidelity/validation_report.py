@@ -1,9 +1,12 @@
 """The fidelity check as a fixed-width table and as JSON.
 
-The JSON object is ``{"trace", "setup", "rank_by", "results", "rank_agreement",
+The JSON object is ``{"trace", "setup", "results", "rankings",
 "median_abs_error"}``; each result has ``block_size``, ``predicted`` and
 ``measured`` (the mean of the live runs), each with the keys of `METRICS`,
-plus ``measured_runs``, ``relative_error`` and ``noise`` per metric. Numbers
+plus ``measured_runs``, ``relative_error`` and ``noise`` per metric.
+``rankings`` has per metric of `RANK_METRICS` both orders (``predicted``,
+``measured``, best first), ``compared_pairs`` (pairs beyond the noise),
+``agreeing_pairs`` and ``agreement`` (null when no pair was compared). Numbers
 that do not exist (an error against nothing) are null.
 """
 
@@ -17,11 +20,12 @@ from pathlib import Path
 
 from blocktune.tuner.config.jsonable import to_jsonable
 from blocktune.tuner.fidelity.served_metrics import METRICS
-from blocktune.tuner.fidelity.validation import Validation
+from blocktune.tuner.fidelity.validation import Ranking, Validation
 
 __all__ = [
     "GOAL_METRICS",
     "format_median_errors",
+    "format_ranking",
     "format_validation_table",
     "metric_title",
     "validation_dict",
@@ -59,9 +63,17 @@ def validation_dict(validation: Validation) -> dict:
         {
             "trace": validation.trace,
             "setup": validation.setup,
-            "rank_by": validation.rank_by,
             "results": results,
-            "rank_agreement": validation.rank_agreement,
+            "rankings": {
+                r.metric: {
+                    "predicted": r.predicted,
+                    "measured": r.measured,
+                    "compared_pairs": r.compared,
+                    "agreeing_pairs": r.agreeing,
+                    "agreement": r.agreement,
+                }
+                for r in validation.rankings
+            },
             "median_abs_error": {m: validation.median_abs_error(m) for m in METRICS},
         }
     )
@@ -101,7 +113,8 @@ def format_validation_table(validation: Validation) -> str:
                 f"{size:>4}  {label:<9}"
                 + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
             )
-    lines.append(_ranking_line(validation))
+    one_run = max(len(c.measured_runs) for c in validation.checks) < 2
+    lines += [format_ranking(r, one_run=one_run) for r in validation.rankings]
     medians = {m: validation.median_abs_error(m) for m in GOAL_METRICS}
     lines.append(f"median |error| over block sizes: {format_median_errors(medians)}")
     return "\n".join(lines)
@@ -128,17 +141,19 @@ def _value(metric: str, value: float) -> str:
     return "-" if math.isnan(value) else fmt.format(value * scale)
 
 
-def _ranking_line(validation: Validation) -> str:
-    name = _HEADINGS[validation.rank_by][0]
-    predicted = " ".join(map(str, validation.ranking("predicted")))
-    measured = " ".join(map(str, validation.ranking("measured")))
-    verdict = "agree" if validation.rank_agreement else "disagree"
-    compared = len(validation.compared_pairs())
-    if max(len(c.measured_runs) for c in validation.checks) < 2:
-        scope = "that differ (one live run each: no noise measured)"
-    else:
-        scope = "that differ beyond the run-to-run noise"
-    return (
-        f"ranking by {name}, best first: predicted {predicted}, measured {measured}: "
-        f"{verdict} on the {compared} pair(s) {scope}"
+def format_ranking(ranking: Ranking, *, one_run: bool = False) -> str:
+    """One line: both orders by the ranking's metric and how many pairs beyond the noise
+    agree, or that no pair differs beyond it (then no agreement is claimed)."""
+    name = _HEADINGS[ranking.metric][0]
+    predicted = ranking.predicted_text or " ".join(map(str, ranking.predicted))
+    measured = ranking.measured_text or " ".join(map(str, ranking.measured))
+    beyond = (
+        "by more than 1% (one live run each: no noise measured)"
+        if one_run
+        else ("beyond the run-to-run noise")
     )
+    if ranking.compared:
+        verdict = f"{ranking.agreeing} of {ranking.compared} pair(s) {beyond} ordered alike"
+    else:
+        verdict = f"no pair compared: no two block sizes differ {beyond}"
+    return f"ranking by {name}, best first: predicted {predicted}, measured {measured}: {verdict}"

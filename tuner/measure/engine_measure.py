@@ -1,27 +1,33 @@
 """Time whole engine steps of a model and fit the simulator's step form (`calibrate --engine`).
 
-For each block size B a fresh `Engine` with the model serves steps of known
-shape, each timed by the wall clock around `Engine.step()`:
+One `Engine` with the model per block size B serves steps of known shape. The
+grid's points are timed round-robin: each point at every B (the order of the
+sizes rotating from point to point) before the next point, so a machine that
+drifts slows every size alike instead of one size more than another. A point is
 
-- decode steps: n requests at context c for every (n, c) of the grid, the
-  mean of `repeats` consecutive steps (the context grows by one a step) after
-  `SETTLE_STEPS` untimed ones;
-- prefill steps: one prompt of k tokens for every chunk size k, alone and
-  next to a decode batch (the grid's middle n and c), mean of `repeats`.
+- a decode batch: n requests at context c for every (n, c) of the grid (and the
+  batch with its first half at the shortest context), `repeats` consecutive
+  steps each timed (the context grows by one a step) after `SETTLE_STEPS`
+  untimed ones;
+- an admission step: m prompts of k tokens admitted together, for every chunk
+  size k and every m of `admissions` with m * k within the largest chunk, alone
+  and next to a decode batch (the grid's middle n and c), `repeats` times.
 
-The mean, not the median: the simulator adds step times up, and the expected
-value of a sum is the sum of the expected values, slow outliers included.
+Every timed step is a row of its own (the fit keeps the total, and the rows'
+spread is the calibration's step spread). A step is timed by
+`STEP_CLOCKS[clock]`: the wall clock, or the calling thread's CPU time ("cpu",
+for one torch thread on a CPU), which leaves out the time the process waits
+while other processes hold the cores.
 
-A step is timed by `STEP_CLOCKS[clock]`: the wall clock, or the calling
-thread's CPU time ("cpu", for one torch thread on a CPU), which leaves out the
-time the process waits while other processes hold the cores.
+Each becomes a `TimedStep` with the features the simulator prices, and
+`fit_steps` fits `STEP_FORM` jointly across the block sizes. Prompts are
+seeded random token ids; the requests of a decode batch share one prompt, so
+with prefix caching their untimed admission computes it once; the first steps
+of every engine are run untimed (allocation and warm-up).
 
-Each becomes a `TimedStep` with the features the simulator prices (requests,
-context tokens and blocks held, prompt tokens computed), and `fit_steps` fits
-`STEP_FORM` per block size. Prompts are seeded random token ids; the requests
-of a decode batch share one prompt, so with prefix caching their untimed
-admission computes it once; the first steps of every engine are run untimed
-(allocation and warm-up).
+`grid_for_lengths` fits a grid to a workload: prefill chunks up to its longest
+prompt and decode contexts up to its longest request (within the model's
+positions), as `blocktune validate` and `calibrate --trace` choose it.
 
 torch is imported inside the functions, so importing this module is cheap.
 """
@@ -30,11 +36,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from blocktune.runtime.block_manager import blocks_for
 from blocktune.tuner.config.calibration import (
     STEP_FORM,
     Calibration,
@@ -54,7 +61,9 @@ __all__ = [
     "STEP_CLOCKS",
     "EngineGrid",
     "default_engine_grid",
+    "describe_fit",
     "engine_model",
+    "grid_for_lengths",
     "measure_engine",
     "measure_engine_calibration",
     "model_shape",
@@ -67,24 +76,35 @@ SETTLE_STEPS = 5
 decodes a simulator prices are mostly steady ones."""
 STEP_CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 """How a step is timed: wall time, or the calling thread's CPU time."""
+DEFAULT_ADMISSIONS = (1, 4)
+"""Prompts admitted together in the grid's admission steps."""
+GRID_POINTS = 4
+"""Prefill chunks and decode contexts of a grid fitted to a workload (`grid_for_lengths`)."""
 
 
 @dataclass(frozen=True)
 class EngineGrid:
-    """What `measure_engine` times: block sizes, decode batches x contexts, prefill chunks."""
+    """What `measure_engine` times: block sizes, decode batches x contexts, prefill chunks
+    and how many prompts an admission step admits together."""
 
     block_sizes: tuple[int, ...]
     batch_sizes: tuple[int, ...]
     context_lens: tuple[int, ...]
     prefill_chunks: tuple[int, ...]
     repeats: int
+    admissions: tuple[int, ...] = DEFAULT_ADMISSIONS
 
     @property
     def longest(self) -> int:
         """The most tokens a request of the grid holds."""
-        mixed_steps = len(self.prefill_chunks) * self.repeats
         decode_steps = SETTLE_STEPS + self.repeats
-        return max(*self.context_lens, *self.prefill_chunks) + mixed_steps + decode_steps + 2
+        return max(*self.context_lens, *self.prefill_chunks) + decode_steps + 2
+
+    @property
+    def admission_points(self) -> list[tuple[int, int]]:
+        """(prompts admitted together, their tokens each) per admission point."""
+        largest = max(self.prefill_chunks)
+        return [(m, k) for k in self.prefill_chunks for m in self.admissions if m * k <= largest]
 
 
 def default_engine_grid(*, quick: bool, block_sizes: tuple[int, ...]) -> EngineGrid:
@@ -94,6 +114,26 @@ def default_engine_grid(*, quick: bool, block_sizes: tuple[int, ...]) -> EngineG
         return EngineGrid(block_sizes, (1, 4), (16, 96), (16, 64), repeats=2)
     return EngineGrid(
         block_sizes, (1, 8, 32), (32, 256, 1024, 2048), (32, 128, 512, 1024), repeats=5
+    )
+
+
+def grid_for_lengths(
+    grid: EngineGrid, prompt_tokens: np.ndarray, total_tokens: np.ndarray, max_tokens: int
+) -> EngineGrid:
+    """`grid` with prefill chunks reaching the longest prompt and decode contexts reaching the
+    longest request (`GRID_POINTS` each, geometric from the grid's shortest), every request
+    of the grid within `max_tokens` positions."""
+    room = max_tokens - 1 - (grid.longest - max(*grid.context_lens, *grid.prefill_chunks))
+
+    def reaching(longest: int, shortest: int) -> tuple[int, ...]:
+        top = max(shortest, min(int(longest), room))
+        points = np.geomspace(min(shortest, top), top, GRID_POINTS)
+        return tuple(sorted({int(round(x)) for x in points}))
+
+    return replace(
+        grid,
+        prefill_chunks=reaching(np.max(prompt_tokens), min(grid.prefill_chunks)),
+        context_lens=reaching(np.max(total_tokens), min(grid.context_lens)),
     )
 
 
@@ -141,34 +181,44 @@ def measure_engine(
 
     check_clock(clock, model)
     limit = model.config.max_position_embeddings
-    if grid.longest > limit:
+    if grid.longest >= limit:
         raise ValueError(
-            f"the grid's requests hold up to {grid.longest} tokens, more than the model's "
-            f"{limit} positions: use shorter context_lens and prefill_chunks"
+            f"the grid's requests hold up to {grid.longest} tokens, the model has {limit} "
+            "positions (one more is needed): use shorter context_lens and prefill_chunks"
         )
     rng = np.random.default_rng(seed)
-    steps: list[TimedStep] = []
-    for block_size in grid.block_sizes:
-        progress(f"engine steps at block size {block_size}")
-        engine = _engine(model, grid, block_size, backend)
+    timer = STEP_CLOCKS[clock]
+    engines = {b: _engine(model, grid, b, backend) for b in grid.block_sizes}
+    for engine in engines.values():
         _warm_up(engine, rng)
-        timer = STEP_CLOCKS[clock]
-        steps += _decode_steps(engine, grid, rng, timer)
-        steps += _prefill_steps(engine, grid, rng, timer)
-    coefficients, residuals = fit_steps(steps)
+    points = _points(grid)
+    steps: list[TimedStep] = []
+    sizes = list(grid.block_sizes)
+    for i, point in enumerate(points):
+        if i % 10 == 0:
+            progress(f"engine steps: point {i + 1} of {len(points)} at block sizes {sizes}")
+        turn = i % len(sizes)  # rotate which size goes first
+        for block_size in sizes[turn:] + sizes[:turn]:
+            steps += point(engines[block_size], grid, rng, timer)
+    del engines
+    fit = fit_steps(steps)
     return EngineCalibration(
         provenance=measured_provenance(
             model.device.type,
             backend,
             grid,
-            "measured by `blocktune calibrate --engine`; fitted per block size by "
-            f"non-negative least squares of the relative error: {STEP_FORM}",
+            "measured by `blocktune calibrate --engine` (grid points round-robin over the "
+            "block sizes); fitted jointly by non-negative least squares of the relative "
+            f"error, scaled to keep the total time: {STEP_FORM}",
         ),
         model=engine_model(model, name),
         threads=torch.get_num_threads(),
         clock=clock,
-        steps=coefficients,
-        residuals=residuals,
+        steps=fit.coefficients,
+        residuals=fit.residuals,
+        standard_errors=fit.standard_errors,
+        depends_on_block_size=fit.depends_on_block_size,
+        step_spread=fit.spread,
     )
 
 
@@ -214,18 +264,54 @@ def measure_engine_calibration(
     calibration = measure_calibration(kernel_grid, device, progress=progress)
     backend = calibration.provenance.backend
     engine = measure_engine(model, name, grid, backend, clock=clock, seed=seed, progress=progress)
-    for block_size, fit in engine.residuals.items():
-        progress(
-            f"step fit at B={block_size}: {fit.points} points, relative residual rms "
-            f"{fit.rms_relative:.1%}, max {fit.max_relative:.1%}"
-        )
+    for line in describe_fit(engine):
+        progress(line)
     return calibration.with_engine(engine)
+
+
+def describe_fit(engine: EngineCalibration) -> list[str]:
+    """The fit in words: per block size its residuals and per-size terms with their standard
+    errors, the shared terms with theirs, and whether the step time depends on B."""
+    from blocktune.tuner.config.calibration import PER_SIZE_TERMS, StepCoefficients
+
+    errors = engine.standard_errors or {}
+    lines = []
+    for block_size, fit in engine.residuals.items():
+        own = ", ".join(
+            _with_error(term, engine.steps[block_size], errors.get(block_size))
+            for term in PER_SIZE_TERMS
+        )
+        lines.append(
+            f"step fit at B={block_size}: {fit.points} steps, relative residual rms "
+            f"{fit.rms_relative:.1%}, max {fit.max_relative:.1%}; {own}"
+        )
+    first = min(engine.steps)
+    shared = [t for t in StepCoefficients.model_fields if t not in PER_SIZE_TERMS]
+    lines.append(
+        "shared terms: "
+        + ", ".join(_with_error(t, engine.steps[first], errors.get(first)) for t in shared)
+    )
+    if engine.step_spread:
+        q = engine.step_spread
+        lines.append(
+            f"step spread (measured / fitted, mean 1): min {q[0]:.2f}, median "
+            f"{q[len(q) // 2]:.2f}, max {q[-1]:.2f}"
+        )
+    lines.append(engine.block_size_verdict())
+    return lines
+
+
+def _with_error(term: str, values, errors) -> str:
+    value = getattr(values, term)
+    if errors is None:
+        return f"{term} {value:.3g}"
+    return f"{term} {value:.3g} ± {getattr(errors, term):.2g}"
 
 
 def _engine(model: LlamaModel, grid: EngineGrid, block_size: int, backend: str) -> Engine:
     from blocktune.runtime.engine import Engine, EngineConfig
 
-    rows = max(grid.batch_sizes) + 2
+    rows = max(grid.batch_sizes) + max(grid.admissions) + 2
     return Engine(
         model,
         EngineConfig(
@@ -269,71 +355,105 @@ def _warm_up(engine: Engine, rng: np.random.Generator) -> None:
         engine.cancel(request_id)
 
 
-def _decode_steps(
-    engine: Engine, grid: EngineGrid, rng: np.random.Generator, timer: Callable[[], float]
-) -> list[TimedStep]:
-    """Decode batches of one context each, and batches whose first half holds the grid's
-    shortest context (padded to the longest by a gathering attention)."""
-    size, middle = engine.block_size, SETTLE_STEPS + (grid.repeats + 1) // 2
-    shortest, lifetime = min(grid.context_lens), SETTLE_STEPS + grid.repeats
-    steps = []
+Point = Callable[["Engine", EngineGrid, np.random.Generator, Callable[[], float]], list[TimedStep]]
+
+
+def _points(grid: EngineGrid) -> list[Point]:
+    """The grid's points (see the module doc), each timed at one engine by calling it."""
+    from functools import partial
+
+    shortest = min(grid.context_lens)
+    points: list[Point] = []
     for batch in grid.batch_sizes:
         for context in grid.context_lens:
-            mixes = [(0, batch)]
+            points.append(partial(_decode_point, short=0, long=batch, context=context))
             if batch > 1 and context > shortest:
-                mixes.append((batch // 2, batch - batch // 2))
-            for short, long in mixes:
-                ids = _start(engine, rng, short, shortest, lifetime + 1) if short else []
-                ids += _start(engine, rng, long, context, lifetime)
-                for _ in range(SETTLE_STEPS):
-                    engine.step()
-                seconds = float(np.mean([_timed_step(engine, timer) for _ in range(grid.repeats)]))
-                low, high = shortest + middle, context + middle  # the middle step's contexts
-                tokens = short * low + long * high
-                blocks = short * -(-low // size) + long * -(-high // size)
-                steps.append(
-                    TimedStep(size, batch, tokens, blocks, 0, seconds, padded_tokens=batch * high)
+                half = batch // 2
+                points.append(
+                    partial(_decode_point, short=half, long=batch - half, context=context)
                 )
-                for request_id in ids:
-                    engine.cancel(request_id)
+    middle = grid.batch_sizes[len(grid.batch_sizes) // 2]
+    for decoding in (0, middle):
+        for prompts, tokens in grid.admission_points:
+            points.append(
+                partial(_admission_point, decoding=decoding, prompts=prompts, tokens=tokens)
+            )
+    return points
+
+
+def _decode_point(
+    engine: Engine,
+    grid: EngineGrid,
+    rng: np.random.Generator,
+    timer: Callable[[], float],
+    *,
+    short: int,
+    long: int,
+    context: int,
+) -> list[TimedStep]:
+    """A decode batch of `long` requests at `context` and `short` at the grid's shortest."""
+    size, shortest = engine.block_size, min(grid.context_lens)
+    lifetime = SETTLE_STEPS + grid.repeats
+    ids = _start(engine, rng, short, shortest, lifetime + 1) if short else []
+    ids += _start(engine, rng, long, context, lifetime)
+    for _ in range(SETTLE_STEPS):
+        engine.step()
+    steps = []
+    for j in range(grid.repeats):
+        grown = SETTLE_STEPS + 1 + j  # tokens each request gained since its admission
+        low, high = shortest + grown + 1, context + grown  # the short ones started a step early
+        tokens = short * low + long * high
+        blocks = short * blocks_for(low, size) + long * blocks_for(high, size)
+        seconds = _timed_step(engine, timer)
+        steps.append(
+            TimedStep(
+                size, short + long, tokens, blocks, 0, seconds, padded_tokens=(short + long) * high
+            )
+        )
+    for request_id in ids:
+        engine.cancel(request_id)
     return steps
 
 
-def _prefill_steps(
-    engine: Engine, grid: EngineGrid, rng: np.random.Generator, timer: Callable[[], float]
+def _admission_point(
+    engine: Engine,
+    grid: EngineGrid,
+    rng: np.random.Generator,
+    timer: Callable[[], float],
+    *,
+    decoding: int,
+    prompts: int,
+    tokens: int,
 ) -> list[TimedStep]:
-    """Prefill steps of each chunk size, alone and beside the grid's middle decode batch."""
+    """Steps that admit `prompts` prompts of `tokens` tokens each (they finish in the step),
+    beside `decoding` requests at the grid's middle context."""
     from blocktune.runtime.engine import SamplingParams
 
-    size, middle = engine.block_size, (grid.repeats + 1) // 2
-    batch = grid.batch_sizes[len(grid.batch_sizes) // 2]
+    size = engine.block_size
     context = grid.context_lens[len(grid.context_lens) // 2]
     one = SamplingParams(max_tokens=1, ignore_eos=True)
+    ids = _start(engine, rng, decoding, context, SETTLE_STEPS + grid.repeats) if decoding else []
+    for _ in range(SETTLE_STEPS if decoding else 0):
+        engine.step()
     steps = []
-    for decoding in (0, batch):
-        mixed_steps = len(grid.prefill_chunks) * grid.repeats
-        ids = _start(engine, rng, decoding, context, mixed_steps) if decoding else []
-        for i, chunk in enumerate(grid.prefill_chunks):
-            times = []
-            for _ in range(grid.repeats):
-                engine.add_request(_prompt(engine, rng, chunk), one)
-                times.append(_timed_step(engine, timer))
-            held = context + i * grid.repeats + middle  # the decodes' context, middle step
-            tokens = decoding * held + chunk
-            blocks = decoding * -(-held // size) + -(-chunk // size)
-            seconds = float(np.mean(times))
-            steps.append(
-                TimedStep(
-                    size,
-                    decoding + 1,
-                    tokens,
-                    blocks,
-                    chunk,
-                    seconds,
-                    padded_tokens=decoding * held,
-                    prefill_pairs=prefill_pairs(0, chunk),
-                )
+    for j in range(grid.repeats):
+        held = context + SETTLE_STEPS + 1 + j  # the decodes' context in this step
+        for _ in range(prompts):
+            engine.add_request(_prompt(engine, rng, tokens), one)
+        seconds = _timed_step(engine, timer)
+        steps.append(
+            TimedStep(
+                size,
+                decoding + prompts,
+                decoding * held + prompts * tokens,
+                decoding * blocks_for(held, size) + prompts * blocks_for(tokens, size),
+                prompts * tokens,
+                seconds,
+                padded_tokens=decoding * held,
+                prefill_pairs=prompts * prefill_pairs(0, tokens),
+                prompt_chunks=prompts,
             )
-        for request_id in ids:
-            engine.cancel(request_id)
+        )
+    for request_id in ids:
+        engine.cancel(request_id)
     return steps

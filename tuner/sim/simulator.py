@@ -1,9 +1,11 @@
 """A continuous-batching server with a paged KV cache, simulated by jumping between events.
 
-The engine it models is `blocktune.runtime.engine`, with the cost model's step
-convention (a request generates a token in its admission step too, so it holds
-p + t tokens in its t-th step, as `tuner.block_replay` and the cost model count
-it). Every step
+The engine it models is `blocktune.runtime.engine`, and it counts blocks as the
+engine does: a request generates a token in its admission step too, and holds
+the K/V of p + t - 1 tokens in its t-th step (p prompt tokens; the token a step
+samples gets its slot in the next step), so it is admitted with
+`runtime.block_manager.blocks_for(p, B)` blocks, the owner of that count for
+both. Every step
 
 1. admits waiting requests, oldest first (preempted ones go back to the
    front), while the blocks they need for this step are free, after the blocks
@@ -56,6 +58,7 @@ from typing import Protocol
 
 import numpy as np
 
+from blocktune.runtime.block_manager import blocks_for
 from blocktune.tuner.config.calibration import prefill_pairs
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
@@ -64,6 +67,8 @@ __all__ = ["Controller", "Run", "simulate"]
 
 HORIZON_STEPS = 64
 """Steps priced at once while looking for the next event (a longer stretch continues)."""
+SPREAD_DRAWS = 4096
+"""Step-time factors drawn at a time from the calibration's step spread."""
 
 
 class Controller(Protocol):
@@ -128,9 +133,12 @@ def simulate(
     *,
     controller: Controller | None = None,
     progress: Progress | None = None,
+    seed: int = 0,
 ) -> Run:
-    """Replay `workload` on `server`, starting at `block_size` (fixed without a controller)."""
-    return _Server(workload, server, block_size, controller, progress).run()
+    """Replay `workload` on `server`, starting at `block_size` (fixed without a controller).
+    Where the calibration has a step spread, each step's time is multiplied by a factor drawn
+    from it with `seed`."""
+    return _Server(workload, server, block_size, controller, progress, seed).run()
 
 
 class _Server:
@@ -152,8 +160,12 @@ class _Server:
         block_size: int,
         controller: Controller | None,
         progress: Progress | None,
+        seed: int = 0,
     ) -> None:
         self.w = workload
+        self.spread = server.step_spread
+        self.rng = np.random.default_rng(seed)
+        self.factors: list[float] = []
         self.server = server
         self.controller = controller
         self.progress = progress
@@ -188,6 +200,7 @@ class _Server:
         self.kv_byte_s = self.busy_s = self.pause_s = 0.0
         self.prefill_tokens = 0  # prompt tokens computed in the coming step
         self.prefill_pairs = 0  # and their attention pairs (`calibration.STEP_FORM`)
+        self.prefill_chunks = 0  # and the prompts they belong to
         policy = server.policy
         self.max_seqs = policy.max_num_seqs
         self.token_budget = policy.max_num_batched_tokens
@@ -200,7 +213,7 @@ class _Server:
         self._set_block_size(block_size)
         self.initial_block_size = block_size
         largest = int(workload.total_tokens.max())
-        if -(-largest // block_size) > self.num_blocks:
+        if blocks_for(largest - 1, block_size) > self.num_blocks:
             raise ValueError(
                 f"a request of {largest} tokens does not fit the pool of {self.num_blocks} "
                 f"blocks of {block_size} tokens; drop such requests before replaying"
@@ -324,7 +337,7 @@ class _Server:
                 keys = w.prefix_keys(request, shared, size)
                 held_hits = sum(1 for k in keys if k in self.refs)
                 cached_hits = sum(1 for k in keys if k in self.evictable)
-            blocks = -(-(held + 1) // size) - held_hits
+            blocks = blocks_for(held, size) - held_hits
             if blocks > available:
                 self.blocked = (request, blocks)
                 break
@@ -344,10 +357,11 @@ class _Server:
                 joining.append((request, held, shared))
             else:
                 self.prefilling.append([request, compute, held, shared])
-                self.pending_blocks += -(-(held + 1) // size) - shared
+                self.pending_blocks += blocks_for(held, size) - shared
         if joining:
             self._join(joining)
             self.prefill_tokens, self.prefill_pairs = prefill, pairs
+            self.prefill_chunks = len(joining)
         self._evict_to_fit()
         return bool(joining)
 
@@ -355,9 +369,9 @@ class _Server:
         """Add (row, held tokens, shared blocks) to the running requests for the next step."""
         size, steps = self.block_size, self.steps
         for request, held, shared in joining:
-            base = held - steps
+            base = held - 1 - steps  # K/V of `held` tokens in its first step (`blocks_for`)
             self.base_counts[base % size] += 1
-            self.table_blocks += -(-held // size)
+            self.table_blocks += blocks_for(held - 1, size)
             self.ids.append(request)
             self.base.append(base)
             self.last.append(steps + self.outputs[request] - self.generated[request])
@@ -370,27 +384,30 @@ class _Server:
         pending prompt chunks in admission order; requests whose last chunk is computed join
         the running ones. Sets the step's prefill tokens; True if any request joined."""
         budget = max(0, self.token_budget - len(self.ids))
-        joining, computed, pairs = [], 0, 0
+        joining, computed, pairs, chunks = [], 0, 0, 0
         for entry in self.prefilling:
             if budget == 0:
                 break
             take = min(entry[1], budget)
+            chunks += take > 0
             pairs += prefill_pairs(entry[2] - entry[1], take)
             entry[1] -= take
             budget -= take
             computed += take
         while self.prefilling and self.prefilling[0][1] == 0:
             request, _, held, shared = self.prefilling.popleft()
-            self.pending_blocks -= -(-(held + 1) // self.block_size) - shared
+            self.pending_blocks -= blocks_for(held, self.block_size) - shared
             joining.append((request, held, shared))
         if joining:
             self._join(joining)
-        self.prefill_tokens, self.prefill_pairs = computed, pairs
+        self.prefill_tokens, self.prefill_pairs, self.prefill_chunks = computed, pairs, chunks
         return bool(joining) or computed > 0
 
     def _prefill_only_step(self) -> None:
         """A step that computes prompt chunks while nothing decodes."""
         step_s = self.cost.fixed_s + self._prefill_s()
+        if self.spread:
+            step_s *= self._spread_factor()
         referenced = self._referenced()
         self._account(referenced * self.block_size, referenced, referenced * step_s, 0, step_s)
         self.t += step_s
@@ -398,27 +415,36 @@ class _Server:
         self.table_blocks = 0  # nothing runs
 
     def _prefill_s(self) -> float:
-        """The coming step's prompt work: its prompt tokens and their attention pairs."""
+        """The coming step's prompt work: its prompt tokens, their attention pairs and the
+        prompts they belong to."""
         cost = self.cost
         return (
             self.prefill_tokens * cost.prefill_s_per_token
             + self.prefill_pairs * cost.prefill_s_per_pair
+            + self.prefill_chunks * cost.per_admission_s
         )
+
+    def _spread_factor(self) -> float:
+        """The next step's factor: one of the step spread's quantiles, drawn uniformly."""
+        if not self.factors:
+            spread = np.asarray(self.spread)
+            self.factors = spread[self.rng.integers(0, len(spread), SPREAD_DRAWS)].tolist()
+        return self.factors.pop()
 
     def _preempt_youngest(self) -> None:
         """Free the blocks of the latest-arrived running or prefilling request and queue it
         first (a prefilling one loses its computed chunks)."""
         if self.prefilling and (not self.ids or self.prefilling[-1][0] > max(self.ids)):
             request, _, held, shared = self.prefilling.pop()
-            self.pending_blocks -= -(-(held + 1) // self.block_size) - shared
+            self.pending_blocks -= blocks_for(held, self.block_size) - shared
             self._release(request)
             self.waiting.appendleft(request)
             self.counters["preemptions"] += 1
             return
         request = max(self.ids)
         index = self.ids.index(request)
-        held = self.base[index] + self.steps
-        self.generated[request] = held - self.prompts[request]
+        written = self.base[index] + self.steps  # K/V written; the last token sampled has none
+        self.generated[request] = written + 1 - self.prompts[request]
         self._release(request)
         keep = [True] * len(self.ids)
         keep[index] = False
@@ -451,7 +477,7 @@ class _Server:
         stop = self._boundary_time()
         if not self.waiting and self.next_arrival < len(self.arrivals):
             stop = min(stop, self.arrivals[self.next_arrival])
-        counts, limit, t = self.base_counts, self.num_blocks, self.t
+        counts, limit, t, spread = self.base_counts, self.num_blocks, self.t, bool(self.spread)
         table_blocks, elapsed, end = self.table_blocks, 0.0, t
         referenced_sum, kv_block_s, first_end = 0, 0.0, t
         k = 0
@@ -461,9 +487,11 @@ class _Server:
             if referenced > limit:
                 break
             step_s = per_block * blocks + slope * k + const
+            if k == 0 and admitted:
+                step_s += self._prefill_s()
+            if spread:
+                step_s *= self._spread_factor()
             if k == 0:
-                if admitted:
-                    step_s += self._prefill_s()
                 first_end = t + step_s
             table_blocks = blocks
             elapsed += step_s
@@ -539,7 +567,7 @@ class _Server:
         held_bytes = self._referenced() * old_size * self.slot_bytes
         while self.prefilling:  # their chunks are recomputed at the new size
             request, _, held, shared = self.prefilling.pop()
-            self.pending_blocks -= -(-(held + 1) // old_size) - shared
+            self.pending_blocks -= blocks_for(held, old_size) - shared
             self._release(request)
             self.waiting.appendleft(request)
         self._set_block_size(new_size)

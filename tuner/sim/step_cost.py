@@ -19,9 +19,11 @@ A calibration with an engine section (`blocktune calibrate --engine`) has
 these coefficients measured, and two more that the derived model leaves at 0
 (`calibration.STEP_FORM`): the batch padded to its longest context (a decode
 attention that gathers the batch into one padded tensor, as the torch backend
-does) and the prompt's attention pairs (quadratic in a prompt's length). Whole
-engine steps of the policy's model are timed on the device and fitted per
-block size; they replace the derived coefficients.
+does), the prompt's attention pairs (quadratic in a prompt's length) and a cost
+per prompt chunk (each admitted request). Whole engine steps of the policy's
+model are timed on the device and fitted jointly across block sizes; they
+replace the derived coefficients, and their spread (`step_spread`) is sampled
+per step by the simulator.
 """
 
 from __future__ import annotations
@@ -94,6 +96,15 @@ class StepCostModel:
             per_sequence_s=self.calibration.host_s_per_token[block_size],
             prefill_s_per_token=costs.prefill_s_per_token,
         )
+
+    @property
+    def step_spread(self) -> tuple[float, ...]:
+        """Quantiles of measured / fitted step time (mean 1), of which the simulator draws one
+        per step as a factor: the engine calibration's, none for a derived or fixed step."""
+        engine = self.calibration.engine
+        if self.fixed_step_s is not None or engine is None:
+            return ()
+        return engine.step_spread
 
     def swap_pause_s(self, bytes_moved: int = 0) -> float:
         """Modelled pause of a block-size change, priced as the selector prices it."""

@@ -1,11 +1,9 @@
 """The live side of `blocktune validate`: the virtual clock, and the engine against the simulator.
 
-The simulator counts the token a step generates as held (a request of prompt p holds
-p + t tokens in its t-th step); the engine holds the K/V of the tokens it has fed
-(p + t - 1). Replaying the engine's requests with prompts one token shorter makes the two
-count the same blocks, so with equal constant step times they must admit, preempt and
-finish every request at the same instants. Neither side chunks prefills here: today's
-simulator prefills every admitted prompt whole.
+Both sides count a request's blocks alike (`runtime.block_manager.blocks_for`: the K/V of
+p + t - 1 tokens in its t-th step), so with equal constant step times they must admit,
+preempt and finish the same requests at the same instants. Neither side chunks prefills
+here.
 """
 
 import numpy as np
@@ -18,7 +16,8 @@ from blocktune.tuner.config.calibration import analytic_calibration
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.live import prompt_ids, serve_live
 from blocktune.tuner.fidelity.served_metrics import ServedMetrics
-from blocktune.tuner.fidelity.validation import BlockSizeCheck, Validation
+from blocktune.tuner.fidelity.validation import RANK_METRICS, BlockSizeCheck, Validation
+from blocktune.tuner.fidelity.validation_report import format_ranking, validation_dict
 from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
@@ -83,9 +82,9 @@ def test_engine_and_simulator_admit_and_preempt_alike_at_constant_step_times(mod
     arrivals = np.sort(rng.integers(0, 40, count)) * STEP_S / 2
     prompts = rng.integers(2, 40, count)
     outputs = rng.integers(1, 30, count)
-    engine_side = _workload(arrivals, prompts, outputs)
-    live = serve_live(_engine(model, 14), engine_side, step_s=STEP_S, seed=seed)
-    run = simulate(_workload(arrivals, prompts - 1, outputs), _server(14), 8)
+    workload = _workload(arrivals, prompts, outputs)
+    live = serve_live(_engine(model, 14), workload, step_s=STEP_S, seed=seed)
+    run = simulate(workload, _server(14), 8)
     assert live.preemptions == run.preemptions > 0
     np.testing.assert_array_equal(live.first_token_s, run.first_token_s)
     np.testing.assert_array_equal(live.finish_s, run.finish_s)
@@ -110,30 +109,82 @@ def test_prompts_share_exactly_the_tokens_their_prefix_hashes_cover():
     assert prompt_ids(workload, 1, 256, seed=3) == b
 
 
-def _metrics(tokens_per_s):
-    return ServedMetrics(tokens_per_s, 0.1, 0.2, 0.01, 0.02, 10.0, 0.0)
+def _metrics(tokens_per_s, tpot_p50_s=0.01, ttft_p99_s=0.2):
+    return ServedMetrics(tokens_per_s, 0.1, ttft_p99_s, tpot_p50_s, 0.02, 10.0, 0.0)
+
+
+def _check(size, predicted, *runs):
+    return BlockSizeCheck(size, _metrics(*predicted), tuple(_metrics(*r) for r in runs))
 
 
 def test_rankings_compare_only_block_sizes_apart_beyond_the_run_to_run_noise():
-    def check(size, predicted, *runs):
-        return BlockSizeCheck(size, _metrics(predicted), tuple(map(_metrics, runs)))
-
     # Runs of 8 and 16 spread by up to 2 tok/s: 8 vs 16 (1 apart) is a tie, 32 stands out.
-    checks = [check(8, 99, 100, 102), check(16, 100, 102, 102), check(32, 120, 110, 111)]
-    validation = Validation(trace={}, setup={}, checks=checks, rank_by="tokens_per_s")
-    assert validation.noise("tokens_per_s") == 2
-    assert [(a.block_size, b.block_size) for a, b in validation.compared_pairs()] == [
-        (8, 32),
-        (16, 32),
+    checks = [
+        _check(8, (99,), (100,), (102,)),
+        _check(16, (100,), (102,), (102,)),
+        _check(32, (120,), (110,), (111,)),
     ]
-    assert validation.ranking("predicted") == [32, 16, 8]
-    assert validation.ranking("measured") == [32, 16, 8]
-    assert validation.rank_agreement
+    validation = Validation(trace={}, setup={}, checks=checks)
+    assert validation.noise("tokens_per_s") == 2
+    pairs = validation.compared_pairs("tokens_per_s")
+    assert [(a.block_size, b.block_size) for a, b in pairs] == [(8, 32), (16, 32)]
+    ranking = validation.rank("tokens_per_s")
+    assert ranking.predicted == ranking.measured == [32, 16, 8]
+    assert (ranking.compared, ranking.agreeing, ranking.agreement) == (2, 2, True)
     assert checks[0].error("tokens_per_s") == pytest.approx(99 / 101 - 1)
     assert checks[0].noise("tokens_per_s") == pytest.approx(2 / 101)
-    swapped = [check(8, 130, 100, 102), *checks[1:]]
-    assert not Validation(trace={}, setup={}, checks=swapped, rank_by="tokens_per_s").rank_agreement
-    # Runs that repeat exactly (no noise) and sizes 0.01% apart: ties, not a disagreement.
-    exact = [check(8, 76.61, 76.60, 76.60), check(16, 76.60, 76.61, 76.61)]
-    flat = Validation(trace={}, setup={}, checks=exact, rank_by="tokens_per_s")
-    assert flat.noise("tokens_per_s") == 0 and flat.compared_pairs() == [] and flat.rank_agreement
+    swapped = Validation(
+        trace={}, setup={}, checks=[_check(8, (130,), (100,), (102,)), *checks[1:]]
+    )
+    assert (swapped.rank("tokens_per_s").agreeing, swapped.rank("tokens_per_s").agreement) == (
+        1,
+        False,
+    )
+    # Runs that repeat exactly (no noise) and sizes 0.01% apart: ties, nothing compared, and
+    # no agreement is claimed.
+    exact = [_check(8, (76.61,), (76.60,), (76.60,)), _check(16, (76.60,), (76.61,), (76.61,))]
+    flat = Validation(trace={}, setup={}, checks=exact).rank("tokens_per_s")
+    assert (flat.compared, flat.agreement) == (0, None)
+    line = format_ranking(flat)
+    assert "no pair compared" in line and "alike" not in line
+
+
+def test_a_predicted_tie_shows_as_one_and_does_not_order_a_pair_alike():
+    checks = [
+        _check(8, (100, 0.01), (100, 0.010), (100, 0.010)),
+        _check(16, (100, 0.01), (100, 0.010), (100, 0.010)),
+        _check(64, (100, 0.01), (100, 0.013), (100, 0.013)),
+    ]
+    tpot = Validation(trace={}, setup={}, checks=checks).rank("tpot_p50_s")
+    assert (tpot.predicted_text, tpot.measured_text) == ("8=16=64", "8=16 64")
+    assert (tpot.compared, tpot.agreeing, tpot.agreement) == (2, 0, False)
+    assert "predicted 8=16=64, measured 8=16 64: 0 of 2 pair(s)" in format_ranking(tpot)
+
+
+def test_each_ranking_metric_counts_its_own_pairs():
+    # tokens/s ties everywhere; TPOT p50 sets 8 apart (and the prediction agrees); TTFT p99
+    # sets 64 apart and the prediction orders it the other way.
+    checks = [
+        _check(8, (100, 0.020, 0.30), (100, 0.021, 0.30), (100, 0.021, 0.30)),
+        _check(16, (100, 0.010, 0.20), (100, 0.010, 0.30), (100, 0.010, 0.30)),
+        _check(64, (100, 0.010, 0.10), (100, 0.010, 0.60), (100, 0.010, 0.60)),
+    ]
+    validation = Validation(trace={}, setup={}, checks=checks)
+    by_metric = {r.metric: r for r in validation.rankings}
+    assert set(by_metric) == set(RANK_METRICS)
+    assert by_metric["tokens_per_s"].agreement is None
+    tpot = by_metric["tpot_p50_s"]
+    assert (tpot.compared, tpot.agreeing, tpot.agreement) == (2, 2, True)
+    assert tpot.measured[-1] == 8
+    ttft = by_metric["ttft_p99_s"]
+    assert (ttft.compared, ttft.agreeing, ttft.agreement) == (2, 0, False)
+    report = validation_dict(validation)["rankings"]
+    assert report["tokens_per_s"]["agreement"] is None
+    assert report["ttft_p99_s"] == {
+        "predicted": [64, 16, 8],
+        "measured": [8, 16, 64],
+        "compared_pairs": 2,
+        "agreeing_pairs": 0,
+        "agreement": False,
+    }
+    assert "2 of 2 pair(s) beyond the run-to-run noise ordered alike" in format_ranking(tpot)

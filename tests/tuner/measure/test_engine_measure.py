@@ -50,10 +50,18 @@ def test_the_engine_section_records_model_fit_and_provenance(measured):
     # The kernel part is measured for the model's own attention shape.
     assert (calibration.kernel_shape.num_kv_heads, calibration.kernel_shape.head_dim) == (2, 16)
     # The quick grid: 2 x 2 decode batches, one of them also half at the shortest context,
-    # and 2 prefill chunks alone and beside a decode batch: 9 timed points.
+    # and admissions of 1 and 4 prompts of 16 and 1 of 64 tokens, alone and beside a decode
+    # batch: 11 points of 2 timed steps each, every step a row of the fit.
     for block_size, fit in engine.residuals.items():
-        assert fit.points == 9 and 0 <= fit.rms_relative <= fit.max_relative, block_size
+        assert fit.points == 22 and 0 <= fit.rms_relative <= fit.max_relative, block_size
         assert engine.steps[block_size].fixed_s > 0
+    # Shared terms once for all sizes, with standard errors; a verdict on B; a spread.
+    shared = {k: v for k, v in engine.steps[8] if k != "per_block_s"}
+    assert shared == {k: v for k, v in engine.steps[16] if k != "per_block_s"}
+    assert sorted(engine.standard_errors) == [8, 16]
+    assert isinstance(engine.depends_on_block_size, bool)
+    assert len(engine.step_spread) == 50 and engine.step_spread[0] > 0
+    assert engine.provenance.grid["admissions"] == [1, 4]
     assert calibration.to_yaml() == path.read_text()  # the file reads back unchanged
 
 
@@ -76,14 +84,15 @@ def test_the_simulator_prices_steps_with_the_measured_coefficients(measured):
 def test_engine_steps_may_cover_fewer_block_sizes_than_the_kernel_but_no_others(measured, tmp_path):
     path, policy_path = measured
     data = yaml.safe_load(path.read_text())
-    del data["engine"]["steps"][16], data["engine"]["residuals"][16]
+    for section in ("steps", "residuals", "standard_errors"):
+        del data["engine"][section][16]
     (tmp_path / "fewer.yaml").write_text(yaml.safe_dump(data))
     fewer = load_calibration(tmp_path / "fewer.yaml")
     assert fewer.block_sizes == (8,)
     with pytest.raises(CalibrationError, match=r"no costs for block sizes \[16\]"):
         StepCostModel(load_policy(policy_path), fewer).step_cost(16)
-    data["engine"]["steps"][512] = data["engine"]["steps"][8]
-    data["engine"]["residuals"][512] = data["engine"]["residuals"][8]
+    for section in ("steps", "residuals", "standard_errors"):
+        data["engine"][section][512] = data["engine"][section][8]
     (tmp_path / "other.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match=r"engine.steps covers block sizes \[8, 512\]"):
         load_calibration(tmp_path / "other.yaml")
@@ -109,7 +118,11 @@ def test_validate_prints_and_writes_the_comparison(measured, tmp_path, capsys):
     table = capsys.readouterr().out
     assert "predicted" in table and "measured" in table and "ranking by tok/s" in table
     report = json.loads(out.read_text())
-    assert isinstance(report["rank_agreement"], bool)
+    assert set(report["rankings"]) == {"tokens_per_s", "tpot_p50_s", "ttft_p99_s"}
+    for ranking in report["rankings"].values():
+        assert sorted(ranking["predicted"]) == sorted(ranking["measured"]) == [8, 16]
+        assert (ranking["agreement"] is None) == (ranking["compared_pairs"] == 0)
+    assert "ranking by TPOT p50" in table and "ranking by TTFT p99" in table
     assert [r["block_size"] for r in report["results"]] == [8, 16]
     for result in report["results"]:
         assert len(result["measured_runs"]) == 2
@@ -133,7 +146,10 @@ def test_validate_prints_and_writes_the_comparison(measured, tmp_path, capsys):
     assert "fidelity (blocktune validate on synthetic customer-service day" in printed
     fidelity = json.loads((tmp_path / "report.json").read_text())["fidelity"]
     assert fidelity["median_abs_error"] == report["median_abs_error"]
-    assert fidelity["rank_agreement"] == report["rank_agreement"]
+    assert fidelity["rankings"] == {
+        metric: {k: r[k] for k in ("compared_pairs", "agreeing_pairs", "agreement")}
+        for metric, r in report["rankings"].items()
+    }
     assert fidelity["relative_error"]["16"] == report["results"][1]["relative_error"]
     # ... and a replay priced by another says the check does not describe it.
     analytic = tmp_path / "analytic.yaml"
@@ -152,3 +168,57 @@ def test_validate_needs_an_engine_calibration(measured, tmp_path, capsys):
     args = ["validate", "--policy", str(policy_path), "--calibration", str(kernel_only)]
     assert main(args) == 2
     assert "has no engine section" in capsys.readouterr().err
+
+
+class DriftingClock:
+    """A machine that slows down steadily: every step takes 1 ms more than the one before
+    took, 0.2% more each step, whatever it computes."""
+
+    def __init__(self):
+        self.now, self.calls = 0.0, 0
+
+    def __call__(self) -> float:
+        self.calls += 1
+        if self.calls % 2 == 0:  # the end of a timed step
+            self.now += 1e-3 * (1 + 0.002 * self.calls)
+        return self.now
+
+
+@pytest.mark.slow
+def test_a_drifting_machine_shows_no_block_size_effect_when_sizes_are_interleaved(monkeypatch):
+    from blocktune.runtime.loading import load_weights
+    from blocktune.tuner.config.calibration import B_INDEPENDENT
+    from blocktune.tuner.measure import engine_measure
+
+    clock = DriftingClock()
+    monkeypatch.setitem(engine_measure.STEP_CLOCKS, "wall", clock)
+    grid = engine_measure.default_engine_grid(quick=True, block_sizes=(8, 16))
+    engine = engine_measure.measure_engine(
+        load_weights("tiny-random", seed=0), "tiny", grid, "torch"
+    )
+    # 22 steps at each size, timed alternately: B=8 first at even points, B=16 at odd ones.
+    assert clock.calls == 2 * 2 * 22
+    assert not engine.depends_on_block_size
+    assert engine.block_size_verdict() == B_INDEPENDENT
+    assert engine.steps[8] == engine.steps[16]
+    # The fit keeps the measured total: 44 steps of 1 ms and the drift on top.
+    total = sum(1e-3 * (1 + 0.002 * call) for call in range(2, clock.calls + 1, 2))
+    assert clock.now == pytest.approx(total)
+
+
+def test_a_grid_fitted_to_a_trace_reaches_its_longest_prompt_within_the_model():
+    import numpy as np
+
+    from blocktune.tuner.measure.engine_measure import default_engine_grid, grid_for_lengths
+
+    grid = default_engine_grid(quick=False, block_sizes=(8, 16))
+    prompts, totals = np.array([12, 700, 3000]), np.array([40, 900, 3300])
+    fitted = grid_for_lengths(grid, prompts, totals, 8192)
+    assert fitted.prefill_chunks[0] == min(grid.prefill_chunks)
+    assert fitted.prefill_chunks[-1] == 3000 and fitted.context_lens[-1] == 3300
+    assert len(fitted.prefill_chunks) == len(fitted.context_lens) == 4
+    assert fitted.batch_sizes == grid.batch_sizes and fitted.admissions == grid.admissions
+    # Within the model's positions: every request of the grid fits 2048 (one to spare).
+    capped = grid_for_lengths(grid, prompts, totals, 2048)
+    assert capped.longest == 2047
+    assert capped.prefill_chunks[-1] == capped.context_lens[-1] < 2048

@@ -1,80 +1,145 @@
-"""Fitting the simulator's step form to timed steps recovers the coefficients that made them."""
+"""Fitting the simulator's step form to timed steps: one set of shared terms across block sizes,
+per-size terms only where the data shows them, standard errors, the total kept, the spread."""
 
 import numpy as np
 import pytest
 
-from blocktune.tuner.config.calibration import StepCoefficients
+from blocktune.tuner.config.calibration import (
+    B_INDEPENDENT,
+    EngineCalibration,
+    EngineModel,
+    StepCoefficients,
+    analytic_calibration,
+)
 from blocktune.tuner.measure.step_fit import TimedStep, fit_steps, predict_step_s
 
+SHARED = dict(
+    fixed_s=6e-4, per_token_s=1.5e-7, per_sequence_s=1e-5, prefill_s_per_token=8e-6,
+    per_padded_token_s=4e-8, prefill_s_per_pair=2e-9, per_admission_s=3e-4,
+)  # fmt: skip
 TRUE = {
-    8: StepCoefficients(
-        fixed_s=6e-4, per_block_s=2e-6, per_token_s=1.5e-7, per_sequence_s=1e-5,
-        prefill_s_per_token=8e-6, per_padded_token_s=4e-8, prefill_s_per_pair=2e-9,
-    ),
-    64: StepCoefficients(
-        fixed_s=5e-4, per_block_s=0.0, per_token_s=3e-7, per_sequence_s=2e-5,
-        prefill_s_per_token=1.2e-5, per_padded_token_s=0.0, prefill_s_per_pair=5e-9,
-    ),
-}  # fmt: skip
+    8: StepCoefficients(per_block_s=2e-6, **SHARED),
+    64: StepCoefficients(per_block_s=0.0, **SHARED),
+}
 SHORTEST = 37
+ANALYTIC = analytic_calibration()
+MODEL = EngineModel(
+    name="tiny", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
+    num_kv_heads=2, head_dim=16, vocab_size=256, dtype="float32",
+)  # fmt: skip
 
 
-def _grid(block_size, coefficients, noise=0.0, seed=0):
-    """Decode batches at one context and half at the shortest, with prefills of 0-512."""
+def _grid(block_size, coefficients, noise=0.0, seed=0, skew=False):
+    """Decode batches at one context and half at the shortest, with admissions of 0, 1 and 4
+    prompts of 64, 2 of 200 or 1 of 512 tokens."""
     rng = np.random.default_rng(seed)
     steps = []
     for batch in (1, 8, 32):
         for context in (SHORTEST, 300, 1000, 2000):
             mixes = [(0, batch)] + ([(batch // 2, batch - batch // 2)] if batch > 1 else [])
             for short, long in mixes:
-                for prefill in (0, 64, 512):
-                    sequences = batch + (prefill > 0)
-                    tokens = short * SHORTEST + long * context + prefill
+                for prompts, prefill in ((0, 0), (1, 64), (4, 64), (2, 200), (1, 512)):
+                    tokens = short * SHORTEST + long * context + prompts * prefill
                     blocks = (
                         short * -(-SHORTEST // block_size)
                         + long * -(-context // block_size)
-                        + -(-prefill // block_size)
+                        + prompts * -(-prefill // block_size)
                     )
-                    features = dict(padded_tokens=batch * context, prefill_pairs=prefill**2)
                     step = TimedStep(
-                        block_size, sequences, tokens, blocks, prefill, 1.0, **features
+                        block_size,
+                        batch + prompts,
+                        tokens,
+                        blocks,
+                        prompts * prefill,
+                        1.0,
+                        padded_tokens=batch * context,
+                        prefill_pairs=prompts * prefill**2,
+                        prompt_chunks=prompts,
                     )
-                    seconds = predict_step_s(coefficients, step)
-                    seconds *= 1 + noise * rng.standard_normal()
+                    factor = (
+                        np.exp(noise * rng.standard_normal())
+                        if skew
+                        else 1 + noise * (rng.standard_normal())
+                    )
+                    seconds = predict_step_s(coefficients, step) * factor
                     steps.append(
-                        TimedStep(
-                            block_size, sequences, tokens, blocks, prefill, seconds, **features
-                        )
+                        TimedStep(**{**step.__dict__, "seconds": seconds})  # same features
                     )
     return steps
 
 
 def test_exact_timings_give_back_the_coefficients_with_no_residual():
-    steps = [s for b, c in TRUE.items() for s in _grid(b, c)]
-    coefficients, residuals = fit_steps(steps)
-    assert sorted(coefficients) == [8, 64]
+    fit = fit_steps([s for b, c in TRUE.items() for s in _grid(b, c)])
+    assert sorted(fit.coefficients) == [8, 64]
     for block_size, truth in TRUE.items():
-        fitted = coefficients[block_size]
+        fitted = fit.coefficients[block_size]
         for name, value in truth:
             assert getattr(fitted, name) == pytest.approx(value, rel=1e-6, abs=1e-12), name
-        assert residuals[block_size].points == 60
-        assert residuals[block_size].max_relative < 1e-9
+        assert fit.residuals[block_size].points == 100
+        assert fit.residuals[block_size].max_relative < 1e-9
+    assert fit.depends_on_block_size  # 2 us a block at B=8, exactly measured
+    assert fit.spread == pytest.approx([1.0] * len(fit.spread))
 
 
-def test_noisy_timings_stay_close_and_report_their_residuals():
-    # Within one block size blocks are almost proportional to tokens: only the sum
-    # per_token + per_block / B (the cost of a context token) is identifiable.
-    def context_cost(c, block_size=8):
-        return c.per_token_s + c.per_block_s / block_size
+def test_the_shared_terms_are_one_value_for_every_block_size():
+    fit = fit_steps([s for b, c in TRUE.items() for s in _grid(b, c, noise=0.03, seed=b)])
+    for name in SHARED:
+        assert getattr(fit.coefficients[8], name) == getattr(fit.coefficients[64], name), name
+        assert getattr(fit.standard_errors[8], name) == getattr(fit.standard_errors[64], name)
 
-    for seed in range(3):
-        coefficients, residuals = fit_steps(_grid(8, TRUE[8], noise=0.03, seed=seed))
-        fitted, truth = coefficients[8], TRUE[8]
-        assert fitted.fixed_s == pytest.approx(truth.fixed_s, rel=0.1)
-        assert fitted.prefill_s_per_token == pytest.approx(truth.prefill_s_per_token, rel=0.1)
-        assert context_cost(fitted) == pytest.approx(context_cost(truth), rel=0.1)
-        assert 0.01 < residuals[8].rms_relative < 0.06
-        assert residuals[8].max_relative >= residuals[8].rms_relative
+
+def test_with_no_block_size_effect_the_fit_says_so_and_prices_every_size_alike():
+    flat = StepCoefficients(per_block_s=0.0, **SHARED)
+    fit = fit_steps([s for b in (8, 16, 64) for s in _grid(b, flat, noise=0.05, seed=b)])
+    assert not fit.depends_on_block_size
+    assert fit.coefficients[8] == fit.coefficients[16] == fit.coefficients[64]
+    assert fit.coefficients[8].per_block_s == 0.0
+    assert fit.coefficients[8].fixed_s == pytest.approx(SHARED["fixed_s"], rel=0.15)
+    assert fit.coefficients[8].per_admission_s == pytest.approx(SHARED["per_admission_s"], rel=0.3)
+
+
+def test_noisy_timings_have_standard_errors_that_cover_the_truth():
+    fit = fit_steps([s for b, c in TRUE.items() for s in _grid(b, c, noise=0.03, seed=1)])
+    fitted, errors = fit.coefficients[8], fit.standard_errors[8]
+    for name in ("fixed_s", "prefill_s_per_token", "per_admission_s"):
+        assert getattr(errors, name) > 0, name
+        assert abs(getattr(fitted, name) - SHARED[name]) < 4 * getattr(errors, name), name
+    assert 0.01 < fit.residuals[8].rms_relative < 0.06
+    assert fit.residuals[8].max_relative >= fit.residuals[8].rms_relative
+
+
+def test_the_fit_keeps_the_total_time_of_skewed_steps_and_records_their_spread():
+    steps = [s for b, c in TRUE.items() for s in _grid(b, c, noise=0.4, seed=2, skew=True)]
+    fit = fit_steps(steps)
+    fitted = sum(predict_step_s(fit.coefficients[s.block_size], s) for s in steps)
+    assert fitted == pytest.approx(sum(s.seconds for s in steps), rel=1e-9)
+    spread = np.array(fit.spread)
+    assert np.all(np.diff(spread) >= 0) and spread[0] > 0
+    assert spread[0] < 0.6 and spread[-1] > 1.8  # lognormal factors of sigma 0.4
+    assert spread.mean() == pytest.approx(1.0)
+    # One step 30 times slower than its fit moves no quantile far.
+    outlier = TimedStep(**{**steps[0].__dict__, "seconds": 30 * steps[0].seconds})
+    assert max(fit_steps([*steps, outlier]).spread) < 1.2 * spread[-1]
+
+
+def test_a_calibration_states_whether_the_step_time_depends_on_b():
+    flat = StepCoefficients(per_block_s=0.0, **SHARED)
+    for truth, verdict in ((flat, B_INDEPENDENT), (TRUE, "the step time depends on B")):
+        sizes = {b: truth if isinstance(truth, StepCoefficients) else truth[b] for b in (8, 64)}
+        fit = fit_steps([s for b, c in sizes.items() for s in _grid(b, c, noise=0.02, seed=b)])
+        section = EngineCalibration(
+            provenance=ANALYTIC.provenance,
+            model=MODEL,
+            threads=1,
+            steps=fit.coefficients,
+            residuals=fit.residuals,
+            standard_errors=fit.standard_errors,
+            depends_on_block_size=fit.depends_on_block_size,
+            step_spread=fit.spread,
+        )
+        assert section.block_size_verdict().startswith(verdict)
+    with pytest.raises(ValueError, match="step_spread must be"):
+        EngineCalibration(**{**dict(section), "step_spread": (1.2, 0.8)})
 
 
 def test_a_step_without_time_is_refused():

@@ -78,11 +78,15 @@ def test_a_request_larger_than_the_pool_is_refused():
 def test_padding_and_peak_equal_a_direct_block_manager_replay(block_size):
     """Same steps as `replay_block_manager` (fixed step time, a pool nothing waits for): the
     same steps, peak blocks and allocated slot-steps, hence the same padding ratio, which is
-    also the cost model's padding ratio of the whole trace."""
+    also the cost model's padding ratio of the whole trace. The block replay and the cost
+    model count the token a step samples as held (p + t tokens in the t-th step), the
+    simulator, like the engine, its K/V only (p + t - 1): so the simulator serves the
+    prompts one token longer here."""
     day = busy_day(seed=3).drop(columns=["prefix_hashes", "prefix_group"])
     workload = Workload.from_frame(day)
+    longer = Workload.from_frame(day.assign(prompt_tokens=day["prompt_tokens"] + 1))
     policy = with_budget(1 << 22)
-    run = simulate(workload, StepCostModel(policy, CALIBRATION, fixed_step_s=0.05), block_size)
+    run = simulate(longer, StepCostModel(policy, CALIBRATION, fixed_step_s=0.05), block_size)
     direct = replay_block_manager(day, block_size, step_s=0.05)
     assert run.steps == direct.steps
     assert run.peak_blocks == direct.peak_blocks
@@ -109,7 +113,7 @@ def test_step_times_follow_the_calibration():
         + layers * (kernel.launch_s + kernel.per_block_s * -(-held // size))
         + layers * kernel.per_token_s * held
         + CALIBRATION.host_s_per_token[size]
-        for held in range(prompt + 1, prompt + output + 1)
+        for held in range(prompt, prompt + output)
     ]
     assert run.first_token_s[0] == pytest.approx(prefill + steps[0], rel=1e-12)
     assert run.finish_s[0] == pytest.approx(prefill + sum(steps), rel=1e-12)
@@ -139,11 +143,70 @@ def test_a_padded_batch_costs_its_longest_context_and_a_prompt_its_pairs():
         {"arrival_s": [0.0, 0.0], "prompt_tokens": [100, 20], "output_tokens": [3, 5]}
     )
     run = simulate(Workload.from_frame(frame), PaddedPairs(POLICY, CALIBRATION), 16)
-    steps = [0.01 + 2 * ctx * 1e-5 for ctx in (101, 102, 103)]
-    steps += [0.01 + ctx * 1e-5 for ctx in (24, 25)]
+    steps = [0.01 + 2 * ctx * 1e-5 for ctx in (100, 101, 102)]
+    steps += [0.01 + ctx * 1e-5 for ctx in (23, 24)]
     steps[0] += (100 * 100 + 20 * 20) * 1e-8
     assert run.first_token_s.tolist() == pytest.approx([steps[0]] * 2, rel=1e-12)
     assert run.finish_s.tolist() == pytest.approx([sum(steps[:3]), sum(steps)], rel=1e-12)
+
+
+class Admissions(StepCostModel):
+    """Steps of 10 ms plus 1 ms per prompt chunk, nothing else."""
+
+    def step_cost(self, block_size: int) -> StepCoefficients:
+        return StepCoefficients(
+            fixed_s=0.01,
+            per_block_s=0.0,
+            per_token_s=0.0,
+            per_sequence_s=0.0,
+            prefill_s_per_token=0.0,
+            per_admission_s=0.001,
+        )
+
+
+def test_each_admitted_prompt_costs_its_admission():
+    """Three requests admitted in one step pay three admissions in it; a later one its own.
+    With chunked prefill, each step pays for the prompts it computes a chunk of."""
+    frame = pd.DataFrame(
+        {"arrival_s": [0.0, 0.0, 0.0, 1.0], "prompt_tokens": [40, 20, 30, 10],
+         "output_tokens": [2, 2, 2, 2]}
+    )  # fmt: skip
+    run = simulate(Workload.from_frame(frame), Admissions(POLICY, CALIBRATION), 16)
+    assert run.first_token_s.tolist() == pytest.approx([0.013] * 3 + [1.011], rel=1e-12)
+    assert run.finish_s.tolist() == pytest.approx([0.023] * 3 + [1.021], rel=1e-12)
+    # A budget of 32 tokens: step 1 computes 32 of the first prompt, step 2 its last 8 and
+    # 20 + 4 of the next two (3 chunks), step 3 the third's last 26 beside 2 decodes.
+    chunked = Admissions(with_budget(8192, batch={"max_num_batched_tokens": 32}), CALIBRATION)
+    run = simulate(Workload.from_frame(frame.head(3)), chunked, 16)
+    assert run.first_token_s.tolist() == pytest.approx([0.024, 0.024, 0.035], rel=1e-12)
+
+
+class Spread(StepCostModel):
+    """Fixed 10 ms steps with a step spread of factors 0.5 to 2.0 around a mean of 1."""
+
+    @property
+    def step_spread(self) -> tuple[float, ...]:
+        return (0.5, 0.6, 0.8, 1.0, 1.1, 2.0)
+
+
+def test_a_step_spread_is_sampled_per_step_with_a_seed_and_keeps_the_mean():
+    workload = Workload.from_frame(busy_day())
+    policy = with_budget(8192)
+    plain = simulate(workload, StepCostModel(policy, CALIBRATION, fixed_step_s=0.01), 16)
+    spread = Spread(policy, CALIBRATION, fixed_step_s=0.01)
+    runs = [simulate(workload, spread, 16, seed=seed) for seed in (0, 0, 1)]
+    assert runs[0].finish_s.tolist() == runs[1].finish_s.tolist()  # seeded
+    assert runs[0].finish_s.tolist() != runs[2].finish_s.tolist()
+    for run in runs:
+        check_conservation(workload, run)
+        # The spread's mean is 1, so the total time of the steps stays, up to the sampling.
+        assert run.busy_s / run.steps == pytest.approx(0.01, rel=0.03)
+    assert plain.busy_s / plain.steps == pytest.approx(0.01)
+    spread_tpot = (runs[0].finish_s - runs[0].first_token_s) / np.maximum(
+        1, workload.output_tokens - 1
+    )
+    plain_tpot = (plain.finish_s - plain.first_token_s) / np.maximum(1, workload.output_tokens - 1)
+    assert np.percentile(spread_tpot, 99) > np.percentile(plain_tpot, 99)
 
 
 def prefix_requests(arrivals, prompts, outputs, hashes) -> Workload:
@@ -181,7 +244,7 @@ def test_released_prefix_blocks_are_reused_until_evicted():
         return (
             cost.fixed_s
             + cost.per_block_s * 19
-            + cost.per_token_s * 301
+            + cost.per_token_s * 300
             + cost.per_sequence_s
             + cost.prefill_s_per_token * prefilled
         )
