@@ -240,17 +240,18 @@ class Forecast:
         return np.array([e.value(quantity) for e in self.resampled])
 
     def interval(self, quantity: str) -> tuple[float, float]:
-        """The `INTERVAL_QUANTILES` range of `quantity` over the resamples (the sample's own
-        value twice without resamples)."""
+        """The `noise_interval` of `quantity` over the resamples."""
         return noise_interval(self.values(quantity), self.value(quantity))
 
 
-def noise_interval(values: np.ndarray, fallback: float) -> tuple[float, float]:
-    """The `INTERVAL_QUANTILES` range of `values`, or (`fallback`, `fallback`) without any."""
+def noise_interval(values: np.ndarray, point: float) -> tuple[float, float]:
+    """The `INTERVAL_QUANTILES` range of the resampled `values`, widened to hold the sample's
+    own `point` estimate (a heavy-tailed sample, whose p99 rests on one or two requests, can
+    fall outside its resamples' range)."""
     if not len(values):
-        return (fallback, fallback)
+        return (point, point)
     low, high = np.quantile(values, INTERVAL_QUANTILES)
-    return (float(low), float(high))
+    return (min(float(low), point), max(float(high), point))
 
 
 def ranked_quantity(goal: str, current_capacity: float) -> str:
@@ -394,7 +395,7 @@ class Forecaster:
         for b, forecast in point.items():
             if b in resampled:
                 estimates = tuple(resampled[b])
-                interval = noise_interval(np.array([e.capacity for e in estimates]), 0.0)
+                interval = noise_interval(np.array([e.capacity for e in estimates]), capacities[b])
             else:  # not a contender: the size in force's relative noise around its capacity
                 estimates = ()
                 interval = noise_interval(relative * capacities[b], capacities[b])
