@@ -356,3 +356,35 @@ def test_a_trace_shorter_than_one_interval_warns_that_the_tuner_never_decided():
         "decides only once the trace's last requests run past it, so its result says little"
     ]
     assert report.runs[ADAPTIVE].swaps == 0 and report.timeline == []
+
+
+def test_the_oracle_is_never_below_the_best_static_size(day_report):
+    """The oracle follows the best size of each interval on the goal (ties to the best static
+    size); where that would score less it is the best static size, never below it."""
+    statics = [r.goal_value for r in day_report.results if r.block_size is not None]
+    assert day_report.result(ORACLE).goal_value >= max(statics)
+
+
+def test_with_no_request_within_the_slo_the_report_compares_tokens_per_s_and_prints_no_nan():
+    """An SLO no request can meet (TTFT under 0.1 ms): every goodput is 0, so the comparisons
+    fall back to tokens/s and the table says why; no `nan` in the table or the JSON."""
+    rng = np.random.default_rng(4)
+    frame = pd.DataFrame(
+        {
+            "arrival_s": np.sort(rng.uniform(0, 900, 400)),
+            "prompt_tokens": rng.integers(20, 200, 400),
+            "output_tokens": rng.integers(10, 60, 400),
+        }
+    )
+    strict = POLICY.model_copy(update={"slo": POLICY.slo.model_copy(update={"ttft_p99_s": 1e-4})})
+    report = replay(frame, strict, CALIBRATION, label="strict")
+    assert all(r.goal_value == 0 for r in report.results)
+    ratios = comparisons(report)
+    best = max(r.tokens_per_s for r in report.results if r.block_size is not None)
+    adaptive = report.result(ADAPTIVE).tokens_per_s
+    assert ratios["adaptive_vs_best_static_goal"] == pytest.approx(adaptive / best)
+    table = format_replay_table(report)
+    assert "nan" not in table.lower()
+    assert "compared on tokens/s" in table
+    assert "adaptive: 0 switches" in table or "switches (each needs" in table
+    assert "nan" not in json.dumps(report_dict(report)).lower()
