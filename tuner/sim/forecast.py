@@ -21,10 +21,11 @@ quartile of completions, away from the first admissions and the last
 stragglers, each request's tokens spread evenly over its decode. Above it the
 queue grows, so no multiple above it counts as within the SLO.
 
-Every candidate's capacity is bisected to `CAPACITY_TOLERANCE` (0.2%, a tenth
-of the default `min_gain`), the size in force first and every other size from
-a bracket around the size in force's capacity, so that no gain comes from the
-search's own resolution. Capacities are monotone in the load multiple for this
+Every candidate's capacity is bisected finely, so that no gain comes from the
+search's own resolution: the size in force first, to `CAPACITY_TOLERANCE`
+(0.2%, a tenth of the default `min_gain`), then every other size from a
+bracket around it, to `CHALLENGER_TOLERANCE` (0.5%, or `FAR_SHARE` of its
+distance from the size in force's capacity where coarser). Capacities are monotone in the load multiple for this
 simulator (more load never serves faster), which is what the bisection relies
 on.
 
@@ -85,14 +86,18 @@ CHALLENGER_TOLERANCE = 0.005
 """Relative width to which the capacity of every other candidate is bisected (its result is the
 last load that passed, so a coarser search can only understate a challenger)."""
 
-RESAMPLE_TOLERANCE = 0.02
+FAR_SHARE = 1 / 8
+"""A challenger whose capacity is bracketed a distance d (log ratio) away from the size in
+force's is bisected only to d x this: its ranking against the size in force is settled."""
+
+RESAMPLE_TOLERANCE = 0.03
 """Relative width to which a capacity is bisected on a bootstrap resample."""
 
 BRACKET_STEP = 1.05
 """The first step of a capacity search away from its starting guess (squared at every further
 step), so that a capacity near the guess is bracketed in two runs."""
 
-BOOTSTRAP_RESAMPLES = 4
+BOOTSTRAP_RESAMPLES = 3
 """Bootstrap resamples of the forecast's sample behind every interval (see the module
 docstring)."""
 
@@ -385,6 +390,7 @@ class Forecaster:
                     BRACKET_STEP,
                     CHALLENGER_TOLERANCE,
                     known=runs[b],
+                    far_share=FAR_SHARE,
                 )
         point = {b: Forecast(b, *runs[b], capacities[b], saturated[b][1]) for b in block_sizes}
         quantity = ranked_quantity(policy.goal, reference)
@@ -439,10 +445,12 @@ class Forecaster:
         step: float,
         tolerance: float = CAPACITY_TOLERANCE,
         known: tuple[ServingMetrics, ServingMetrics] | None = None,
+        far_share: float = 0.0,
     ) -> float:
         """The capacity of `block_size` on `workload`: bracketed from `guess` by steps of
         `step` (squared at every further step) within `CAPACITY_RANGE`, then bisected to
-        `tolerance`. `known` are its runs at the observed and the headroom load."""
+        `tolerance`, or to `far_share` of the bracket's distance from `guess` where that is
+        coarser. `known` are its runs at the observed and the headroom load."""
         low_limit, high_limit = CAPACITY_RANGE
         meets = _Meets(self, workload, block_size, sustained)
         if known is not None:
@@ -465,7 +473,8 @@ class Forecaster:
                     return low_limit  # not served within the SLO even at the bottom
                 high, step = low, step * step
                 low = max(high / step, low_limit)
-        return _bisect(meets, low, high, tolerance)
+        distance = min(abs(math.log(low / guess)), abs(math.log(high / guess)))
+        return _bisect(meets, low, high, max(tolerance, far_share * distance))
 
 
 def _bisect(meets: Callable[[float], bool], low: float, high: float, tolerance: float) -> float:
