@@ -25,9 +25,9 @@ Every candidate's capacity is bisected finely, so that no gain comes from the
 search's own resolution: the size in force first, to `CAPACITY_TOLERANCE`
 (0.2%, a tenth of the default `min_gain`), then every other size from a
 bracket around it, to `CHALLENGER_TOLERANCE` (0.5%, or `FAR_SHARE` of its
-distance from the size in force's capacity where coarser). Capacities are monotone in the load multiple for this
-simulator (more load never serves faster), which is what the bisection relies
-on.
+distance from the size in force's capacity where coarser). Capacities are
+monotone in the load multiple for this simulator (more load never serves
+faster), which is what the bisection relies on.
 
 **Noise.** A sample of 128 requests is one draw of the traffic: the next
 window's capacities differ by a few percent although nothing changed. The
