@@ -244,10 +244,6 @@ class Forecast:
         """The resamples' values of `quantity`."""
         return np.array([e.value(quantity) for e in self.resampled])
 
-    def interval(self, quantity: str) -> tuple[float, float]:
-        """The `noise_interval` of `quantity` over the resamples."""
-        return noise_interval(self.values(quantity), self.value(quantity))
-
 
 def noise_interval(values: np.ndarray, point: float) -> tuple[float, float]:
     """The `INTERVAL_QUANTILES` range of the resampled `values`, widened to hold the sample's
