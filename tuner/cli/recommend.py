@@ -41,6 +41,12 @@ def _forecast_columns() -> tuple:
 
     return (
         ("capacity", "x load", lambda f: f"{f.capacity:.3g}"),
+        (
+            "interval",
+            "x load",
+            lambda f: f"{f.capacity_interval[0]:.3g}-{f.capacity_interval[1]:.3g}",
+        ),
+        ("saturated", "tok/s", lambda f: f"{f.sustained_tokens_per_s:.4g}"),
         *ServingMetrics.columns(lambda f: f.observed),
         ("preempt", "", lambda f: str(f.observed.preemptions)),
         ("TTFT p99", "@headroom", lambda f: f"{f.headroom.ttft_p99_s:.3f}"),
@@ -75,7 +81,8 @@ def format_decision_table(decision: Decision, snapshot: WindowSnapshot) -> str:
     if decision.forecasts:
         lines.append(
             "predicted service on the window at the observed load (capacity: the load "
-            "multiple served within the SLO):"
+            "multiple served within the SLO, with its interval over bootstrap resamples; "
+            "saturated: tokens/s when saturated):"
         )
         lines += text_table(_rows(_forecast_columns(), decision.forecasts, decision.block_size))
     lines.append("cost terms (J: time per generated token with the KV budget full):")
@@ -102,6 +109,13 @@ def format_decision_table(decision: Decision, snapshot: WindowSnapshot) -> str:
             f"article's rule: sqrt({article.length_tokens:.0f} x {article.bytes_per_token} B) = "
             f"{article.value_sqrt_token_bytes:.0f} sqrt(token*byte) -> {article.tokens:.3f} "
             f"tokens -> {article.block_size} (clamped to the candidates)"
+        )
+    if decision.forecasts:
+        low, high = decision.gain_interval
+        lines.append(
+            f"gain of the best other size on {decision.ranked_by}: {decision.gain:+.1%}, "
+            f"{low:+.1%} to {high:+.1%} over the window's bootstrap resamples (interval: "
+            "the 10th-90th percentile; a switch needs its low end above min_gain)"
         )
     lines.append(f"against the current B={decision.current_block_size}: {decision.reason}")
     return "\n".join(lines)

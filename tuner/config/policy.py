@@ -497,7 +497,8 @@ class Policy(Section):
         default=0.02,
         ge=0.0,
         lt=1.0,
-        description="the smallest relative gain on the goal worth a switch",
+        description="the smallest relative gain on the goal worth a switch: the low end of "
+        "the forecast's gain interval (its noise) must be above it",
     )
     engine: Literal["blocktune", "vllm"] = Field(
         default="blocktune", description="the engine the predictions model"

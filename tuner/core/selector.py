@@ -9,12 +9,21 @@ recommends a switch only when
 
 1. the window holds at least `policy.window.min_samples` requests (below that
    the principled prior B* names a size, but the current one is kept);
-2. the best candidate beats the size in force by at least `policy.min_gain`
-   on the goal; otherwise the decision says that the block size does not
-   matter at this load (`material` is False when no candidate does);
+2. the size in force's strongest challenger beats it by more than
+   `policy.min_gain` on the goal beyond the forecast's noise: the low end of
+   `gain_interval` (the challenger's gain over the size in force on every
+   bootstrap resample of the window, see `forecast`) is above `min_gain`.
+   Otherwise the size in force is kept and `material` is False. Going back
+   after a switch is a switch like any other, so it needs such a gain too: a
+   size that is better only within the noise never takes over, and never
+   flips back. Where the size in force cannot serve the observed load within
+   the SLO (capacity below 1x) every capacity is on the search's floor, so the
+   candidates are ranked by what they still serve: their token rate when
+   saturated (`ranked_by` says which);
 3. the last applied switch (`record_switch`) is at least `policy.min_dwell`
    old (no flapping);
-4. the gain pays for the switch: gain x max(min_dwell, interval) (the serving
+4. the gain pays for the switch: the gain interval's low end x max(min_dwell,
+   interval) (the serving
    time the better size wins while it stays in force) exceeds the switch's cost
    (`CostModel.switch_cost_s`: a live swap's pause, or a vLLM restart) times
    `policy.safety_factor`.
@@ -31,15 +40,21 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from blocktune.kernels import is_power_of_two
 from blocktune.tuner.config.calibration import Calibration
 from blocktune.tuner.config.jsonable import to_jsonable
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.sim.cost_model import ArticleHeuristic, CandidateCost, CostModel
 from blocktune.tuner.sim.forecast import (
+    SUSTAINED,
     Forecast,
     Forecaster,
+    contenders,
     goal_higher_is_better,
+    noise_interval,
+    ranked_quantity,
     relative_gain,
 )
 from blocktune.tuner.sim.window import WindowSnapshot
@@ -69,6 +84,8 @@ class Decision:
     goal: str = "capacity"
     material: bool = False
     gain: float = 0.0
+    gain_interval: tuple[float, float] = (0.0, 0.0)
+    ranked_by: str = "capacity"
     switch_cost_s: float = 0.0
     decided_at: float = 0.0
 
@@ -92,6 +109,8 @@ class Decision:
                 "goal": self.goal,
                 "goal_higher_is_better": goal_higher_is_better(self.goal),
                 "gain": self.gain,
+                "gain_interval": list(self.gain_interval),
+                "ranked_by": self.ranked_by,
                 "switch_cost_s": self.switch_cost_s,
                 "samples": self.samples,
                 "principled_block_tokens": self.principled_block_tokens,
@@ -121,6 +140,8 @@ def _candidate_dict(cost: CandidateCost, forecast: Forecast | None) -> dict:
         row.update(asdict(forecast.observed))
         row["headroom"] = asdict(forecast.headroom)
         row["capacity"] = forecast.capacity
+        row["capacity_interval"] = list(forecast.capacity_interval)
+        row["sustained_tokens_per_s"] = forecast.sustained_tokens_per_s
     return row
 
 
@@ -236,40 +257,54 @@ class Selector:
         self, forecasts: list[Forecast], current: int, prior: int, now: float, base: dict
     ) -> Decision:
         """The decision among forecast candidates (rules 2-4 of the module docstring)."""
-        policy, goal = self.policy, self.policy.goal
+        policy = self.policy
         by_size = {f.block_size: f for f in forecasts}
-        sign = 1 if goal_higher_is_better(goal) else -1
-        best = max(
-            (by_size[b] for b in policy.candidates),
-            key=lambda f: (sign * f.goal_value(goal), f.block_size == current, -f.block_size),
-        )
-        gain = relative_gain(goal, best.goal_value(goal), by_size[current].goal_value(goal))
-        material = gain >= policy.min_gain
-        base.update(forecasts=forecasts, material=material, gain=gain)
-        decision = {"block_size": best.block_size, "prior_block_size": prior}
-        what = _describe(goal, best)
-        if best.block_size == current or not material:
-            spread = max(
-                relative_gain(goal, f.goal_value(goal), by_size[current].goal_value(goal))
-                for f in forecasts
+        quantity = ranked_quantity(policy.goal, by_size[current].capacity)
+        pair = contenders(forecasts, current, quantity, policy.candidates)
+        challenger = by_size[pair[-1]]
+        gain = relative_gain(quantity, challenger.value(quantity), by_size[current].value(quantity))
+        gains = [
+            relative_gain(quantity, mine, theirs)
+            for mine, theirs in zip(
+                challenger.values(quantity), by_size[current].values(quantity), strict=True
             )
-            reason = (
-                f"at this load every candidate is within {policy.min_gain:.0%} of B={current} "
-                f"on {goal} (best {spread:+.1%}): keep B={current}"
-                if spread < policy.min_gain
-                else f"B={current} is already the best candidate ({what}): keep it"
+        ]
+        interval = noise_interval(np.array(gains), gain)
+        material = challenger.block_size != current and interval[0] > policy.min_gain
+        base.update(
+            forecasts=forecasts,
+            material=material,
+            gain=gain,
+            gain_interval=interval,
+            ranked_by=quantity,
+        )
+        decision = {"block_size": challenger.block_size, "prior_block_size": prior}
+        overloaded = (
+            f"overloaded (B={current} serves {by_size[current].capacity:.2g}x the observed load "
+            f"within the SLO): ranking by {SUSTAINED}; "
+            if quantity == SUSTAINED
+            else ""
+        )
+        if not material:
+            decision["block_size"] = current
+            reason = overloaded + _why_keep(
+                current, challenger.block_size, quantity, gain, interval, policy.min_gain
             )
             return Decision(switch=False, reason=reason, **decision, **base)
         cost = self.cost_model.switch_cost_s()
         base["switch_cost_s"] = cost
-        better = f"B={best.block_size} is {gain:.1%} better on {goal} ({what})"
+        better = (
+            f"{overloaded}B={challenger.block_size} is {_span(interval)} better on {quantity} "
+            f"({_describe(quantity, challenger)}), beyond the forecast's noise and min_gain "
+            f"{policy.min_gain:.0%}"
+        )
         if self._last_switch is not None and now - self._last_switch < self._min_dwell_s:
             reason = (
                 f"{better}, but the last switch was {now - self._last_switch:.0f} s ago "
                 f"(min_dwell {self._min_dwell_s:.0f} s): keep B={current}"
             )
             return Decision(switch=False, reason=reason, **decision, **base)
-        payback = gain * max(self._min_dwell_s, policy.interval.total_seconds())
+        payback = interval[0] * max(self._min_dwell_s, policy.interval.total_seconds())
         if payback <= cost * policy.safety_factor:
             reason = (
                 f"{better}, but while it stays in force that wins {payback:.3g} s of serving, "
@@ -278,7 +313,7 @@ class Selector:
                 f"keep B={current}"
             )
             return Decision(switch=False, reason=reason, **decision, **base)
-        reason = f"switch B={current} -> {best.block_size}: {better}"
+        reason = f"switch B={current} -> {challenger.block_size}: {better}"
         return Decision(switch=True, reason=reason, **decision, **base)
 
     @property
@@ -286,8 +321,51 @@ class Selector:
         return self.policy.min_dwell.total_seconds()
 
 
-def _describe(goal: str, forecast: Forecast) -> str:
-    """The goal's value of one forecast, in words."""
-    if goal == "capacity":
-        return f"serves {forecast.capacity:.3g}x the observed load within the SLO"
+def _describe(quantity: str, forecast: Forecast) -> str:
+    """The ranked quantity's value of one forecast, in words."""
+    if quantity == "capacity":
+        low, high = forecast.capacity_interval
+        return (
+            f"serves {forecast.capacity:.3g}x the observed load within the SLO, "
+            f"{low:.3g}-{high:.3g}x over the resamples"
+        )
+    if quantity == SUSTAINED:
+        return f"{forecast.sustained_tokens_per_s:.4g} tokens/s when saturated"
     return f"TTFT p99 {forecast.headroom.ttft_p99_s:.3g} s at the headroom load"
+
+
+def _why_keep(
+    current: int,
+    other: int,
+    quantity: str,
+    gain: float,
+    interval: tuple[float, float],
+    min_gain: float,
+) -> str:
+    """Why the size in force stays, in words: the best other size is worse, within min_gain,
+    or better only within the forecast's noise."""
+    versus = f"B={other}: {gain:+.1%}, {_span(interval)} over the resamples"
+    if interval[1] < 0:
+        return f"B={current} is the best candidate on {quantity} (the next, {versus}): keep it"
+    if interval[1] <= min_gain:
+        return (
+            f"at this load every candidate is within {min_gain:.0%} of B={current} on "
+            f"{quantity} (the best other, {versus}): keep B={current}"
+        )
+    return (
+        f"B={other} is {_span(interval)} against B={current} on {quantity}: the difference is "
+        f"within the forecast's noise (±{_half_width(interval):.1%}), its low end not above "
+        f"min_gain {min_gain:.0%}: keep B={current}"
+    )
+
+
+def _span(interval: tuple[float, float]) -> str:
+    """A gain interval in words: "3.1-7.4%" or "-1.2 to +0.8%"."""
+    low, high = (100 * v for v in interval)
+    if low >= 0:
+        return f"{low:.1f}-{high:.1f}%"
+    return f"{low:+.1f} to {high:+.1f}%"
+
+
+def _half_width(interval: tuple[float, float]) -> float:
+    return (interval[1] - interval[0]) / 2

@@ -218,7 +218,9 @@ def _live_line(
         "t_s": round(elapsed, 1),
         "rate_per_s": len(recent) / 5,
         "median_len": median,
-        "recommended": recommendation.get("block_size"),
+        "recommended": recommendation.get("recommended_block_size"),
+        "reason": recommendation.get("reason"),
+        "gain_interval": recommendation.get("gain_interval"),
         "block_size": state["block_size"],
         "blocks_used": state["blocks_used"],
     }
@@ -228,6 +230,12 @@ def _live_line(
         f"recommend {point['recommended']!s:>4}  block size {state['block_size']:>3}  "
         f"blocks used {state['blocks_used']:>4}  swap {swap_text}"
     )
+    interval = point["gain_interval"]
+    if interval is not None:
+        line += (
+            f"\n         decision: gain {interval[0]:+.1%} to {interval[1]:+.1%} over the "
+            f"resamples; {point['reason']}"
+        )
     return line, point, new_swaps
 
 

@@ -99,10 +99,11 @@ class IntervalCosts:
         return best
 
     def sizes_in_force(self, initial: int, switches: list[tuple[int, float, int]]) -> np.ndarray:
-        """Per interval, the size after the switches made at its start or before."""
+        """Per interval, the size after the switches made in it or before (by their time: a
+        tuner may decide between interval boundaries)."""
         sizes = np.full(len(self.tokens), initial, dtype=np.int64)
-        for boundary, _, size in switches:
-            sizes[min(boundary, len(sizes)) :] = size
+        for _, when, size in switches:
+            sizes[min(int(when // self.interval_s), len(sizes)) :] = size
         return sizes
 
 
@@ -154,16 +155,21 @@ class GoalScores:
                 scores[:, j] = ttft.groupby(index).quantile(0.99).reindex(range(count))
         return cls(goal, sizes, scores)
 
-    def best_schedule(self) -> np.ndarray:
-        """The best static size of every interval on the goal (an empty interval keeps the
-        previous one's; ties go to the smaller size)."""
+    def best_schedule(self, preferred: int) -> np.ndarray:
+        """The best static size of every interval on the goal, ties to `preferred` (the best
+        static size of the whole run: sizes interact across interval boundaries, so a tie is
+        no reason to leave it); an empty interval keeps the previous one's."""
         higher = goal_higher_is_better(self.goal)
         best = np.empty(len(self.per_interval), dtype=np.int64)
-        current = self.block_sizes[0]
+        current = preferred
+        column = self.block_sizes.index(preferred)
         for i, row in enumerate(self.per_interval):
             if not np.all(np.isnan(row)):
-                pick = int(np.nanargmax(row) if higher else np.nanargmin(row))
-                current = self.block_sizes[pick]
+                top = np.nanmax(row) if higher else np.nanmin(row)
+                if row[column] != top:
+                    current = self.block_sizes[int(np.flatnonzero(row == top)[0])]
+                else:
+                    current = preferred
             best[i] = current
         return best
 

@@ -22,6 +22,7 @@ from blocktune.tuner.sim.forecast import ServingMetrics, goal_higher_is_better
 
 __all__ = [
     "RESULT_KEYS",
+    "compared_on",
     "comparisons",
     "goal_ratio",
     "goal_statement",
@@ -92,31 +93,47 @@ def goal_ratio(goal: str, value: float, reference: float) -> float:
     return reference / value if value > 0 else math.nan
 
 
+def compared_on(report: ReplayReport) -> str:
+    """What `comparisons` ranks the policies on: ``goal``, or ``tokens_per_s`` where a static
+    size serves no request within the SLO (a goodput of 0, so no goal ratio exists)."""
+    statics = [r for r in report.results if r.block_size is not None]
+    if report.policy["goal"] == "capacity" and not all(r.goal_value > 0 for r in statics):
+        return "tokens_per_s"
+    return "goal"
+
+
 def comparisons(report: ReplayReport) -> dict[str, float]:
     """The adaptive policy on the goal (above 1: better) against the best static size, the
     oracle and static-16 (when 16 is a candidate), and on the per-token cost against them:
     ``adaptive_vs_best_static_goal``, ``adaptive_vs_oracle_goal``,
     ``adaptive_vs_static16_goal``, ``static_spread_goal`` (best over worst static size),
     ``adaptive_vs_oracle_objective``, ``adaptive_vs_static16_objective``,
-    ``adaptive_vs_static16_peak_kv`` and ``adaptive_vs_static16_tokens_per_s``."""
+    ``adaptive_vs_static16_peak_kv`` and ``adaptive_vs_static16_tokens_per_s``. Where every
+    static goodput is 0 the ``*_goal`` ratios compare tokens/s instead (`compared_on`)."""
     goal = report.policy["goal"]
+    if compared_on(report) == "tokens_per_s":
+        goal = "capacity"
+
+        def value(r):
+            return r.tokens_per_s
+    else:
+
+        def value(r):
+            return r.goal_value
+
     adaptive, oracle = report.result(ADAPTIVE), report.result(ORACLE)
     statics = [r for r in report.results if r.block_size is not None]
-    ranked = sorted(statics, key=lambda r: goal_ratio(goal, r.goal_value, statics[0].goal_value))
+    ranked = sorted(statics, key=lambda r: goal_ratio(goal, value(r), value(statics[0])))
     ratios = {
-        "adaptive_vs_best_static_goal": goal_ratio(
-            goal, adaptive.goal_value, ranked[-1].goal_value
-        ),
-        "adaptive_vs_oracle_goal": goal_ratio(goal, adaptive.goal_value, oracle.goal_value),
-        "static_spread_goal": goal_ratio(goal, ranked[-1].goal_value, ranked[0].goal_value),
+        "adaptive_vs_best_static_goal": goal_ratio(goal, value(adaptive), value(ranked[-1])),
+        "adaptive_vs_oracle_goal": goal_ratio(goal, value(adaptive), value(oracle)),
+        "static_spread_goal": goal_ratio(goal, value(ranked[-1]), value(ranked[0])),
         "adaptive_vs_oracle_objective": adaptive.objective / oracle.objective,
     }
     name = static_name(DEFAULT_BLOCK_SIZE)
     if any(r.policy == name for r in statics):
         static = report.result(name)
-        ratios["adaptive_vs_static16_goal"] = goal_ratio(
-            goal, adaptive.goal_value, static.goal_value
-        )
+        ratios["adaptive_vs_static16_goal"] = goal_ratio(goal, value(adaptive), value(static))
         ratios["adaptive_vs_static16_objective"] = adaptive.objective / static.objective
         ratios["adaptive_vs_static16_peak_kv"] = adaptive.peak_kv_bytes / static.peak_kv_bytes
         ratios["adaptive_vs_static16_tokens_per_s"] = adaptive.tokens_per_s / static.tokens_per_s
@@ -166,8 +183,15 @@ def format_replay_table(report: ReplayReport) -> str:
     lines = text_table(rows)
     ratios = comparisons(report)
     lines.append(goal_statement(report))
+    on = "the goal"
+    if compared_on(report) == "tokens_per_s":
+        on = "tokens/s"
+        lines.append(
+            "a static size serves no request within the SLO (goodput 0): the policies are "
+            "compared on tokens/s, what each still serves"
+        )
     line = (
-        f"adaptive on the goal: {ratios['adaptive_vs_best_static_goal']:.4f} x the best static "
+        f"adaptive on {on}: {ratios['adaptive_vs_best_static_goal']:.4f} x the best static "
         f"size, {ratios['adaptive_vs_oracle_goal']:.4f} x the oracle"
     )
     if "adaptive_vs_static16_goal" in ratios:
@@ -175,16 +199,22 @@ def format_replay_table(report: ReplayReport) -> str:
     lines.append(line + " (above 1: better)")
     lines.append(
         "oracle: the best static size of each interval on the goal, in hindsight, swapped for "
-        "free (a reference, not a strict bound)"
+        "free; never below the best static size (where following the intervals scores less, "
+        "it is the best static size)"
+    )
+    lines.append(
+        f"adaptive: {report.result(ADAPTIVE).swaps} switches (each needs a forecast gain "
+        f"beyond the forecast's noise and min_gain, at most one per min_dwell of "
+        f"{report.policy['min_dwell_s']:g} s)"
     )
     spread = ratios["static_spread_goal"] - 1
     if spread < report.policy["min_gain"]:
         lines.append(
-            f"every static size is within {spread:.1%} of the best on the goal: the block size "
+            f"every static size is within {spread:.1%} of the best on {on}: the block size "
             "does not matter for this trace at this load"
         )
     else:
-        lines.append(f"the best static size beats the worst by {spread:.1%} on the goal")
+        lines.append(f"the best static size beats the worst by {spread:.1%} on {on}")
     if "adaptive_vs_static16_objective" in ratios:
         peak = ratios["adaptive_vs_static16_peak_kv"] - 1
         lines.append(

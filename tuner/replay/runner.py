@@ -10,8 +10,12 @@ recompute, prefix reuse, step times from the calibration) once per policy:
   `policy.interval` of trace time (`controllers.AdaptiveController`), each
   switch charged its modelled pause (a live swap, or a vLLM restart);
 - ``oracle``: in hindsight, the best static size of each interval on the
-  policy's goal, swapped for free (`objective.GoalScores`). It is a reference,
-  not a strict bound: sizes interact across interval boundaries.
+  policy's goal (the quantity the goal counts per interval: requests served
+  within the SLO, or the interval's TTFT p99; ties to the best static size of
+  the whole run), swapped for free (`objective.GoalScores`). Sizes interact
+  across interval boundaries, so where that schedule scores below the best
+  static size the oracle is the best static size (a warning says so): it is
+  never below any static size.
 
 Each policy's `PolicyResult` has the serving metrics of its run, its score on
 the policy goal and its per-token cost J. Requests longer than the smallest
@@ -44,7 +48,7 @@ from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE
 from blocktune.tuner.config.policy import Policy, nearest_power_of_two
 from blocktune.tuner.replay.controllers import AdaptiveController, OracleController, TimelinePoint
 from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, goal_value, within_slo
-from blocktune.tuner.sim.forecast import ServingMetrics
+from blocktune.tuner.sim.forecast import ServingMetrics, goal_higher_is_better, relative_gain
 from blocktune.tuner.sim.simulator import Controller, Run, simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import EmptyWorkload, Workload
@@ -209,13 +213,25 @@ class ReplayPlan:
 
     def oracle_schedule(self, played: Mapping[str, Played]) -> np.ndarray:
         """The oracle's size per interval: the best static size of each on the policy goal,
-        in hindsight of the static runs in `played`."""
+        in hindsight of the static runs in `played`, ties to the best static size of the
+        whole run."""
         static = {size: played[static_name(size)].run for size in self.policy.candidates}
         policy = self.policy
         scores = GoalScores.of(
             policy.goal, static, self.workload, self.costs.interval_s, policy.slo
         )
-        return scores.best_schedule()
+        return scores.best_schedule(self._best_static(played))
+
+    def _best_static(self, played: Mapping[str, Played]) -> int:
+        """The static size that scores best on the policy goal (ties to the smaller)."""
+        policy = self.policy
+        sign = 1 if goal_higher_is_better(policy.goal) else -1
+
+        def score(size: int) -> float:
+            run = played[static_name(size)].run
+            return sign * goal_value(policy.goal, run, self.workload, policy.slo)
+
+        return max(policy.candidates, key=lambda size: (score(size), -size))
 
     def play_oracle(self, schedule: np.ndarray, *, progress: bool = False) -> Played:
         """Simulate the oracle following `schedule` (from `oracle_schedule`), swapping free."""
@@ -234,8 +250,27 @@ class ReplayPlan:
         return Played(run, timeline, time.perf_counter() - start)
 
     def report(self, played: Mapping[str, Played]) -> ReplayReport:
-        """The report of this replay from the `Played` of every name in `names`."""
+        """The report of this replay from the `Played` of every name in `names`.
+
+        Sizes interact across interval boundaries (a backlog carries over), so the
+        per-interval schedule can score below the best static size; the oracle is then the
+        best static size, which a hindsight schedule can always follow, and a warning says
+        by how much the schedule fell short."""
+        played = dict(played)
         schedule = self.oracle_schedule(played)
+        notes = []
+        best = self._best_static(played)
+        goal, slo = self.policy.goal, self.policy.slo
+        followed = goal_value(goal, played[ORACLE].run, self.workload, slo)
+        static = goal_value(goal, played[static_name(best)].run, self.workload, slo)
+        if relative_gain(goal, followed, static) < 0:
+            notes.append(
+                f"oracle: the best size of each interval, followed, scored "
+                f"{relative_gain(goal, followed, static):+.2%} against static-{best} on the goal "
+                f"(sizes interact across interval boundaries), so the oracle is static-{best}"
+            )
+            played[ORACLE] = played[static_name(best)]
+            schedule = np.full(len(schedule), best, dtype=np.int64)
         results = [self._result(name, played[name], schedule) for name in self.names]
         runs = {name: played[name].run for name in self.names}
         trace = _trace_summary(self.label, self.workload, self.too_long)
@@ -251,6 +286,7 @@ class ReplayPlan:
             warnings=[
                 *filter(None, [device_mismatch(self.policy, self.calibration)]),
                 *replay_warnings(trace, results, runs, self.workload, self.policy),
+                *notes,
             ],
         )
 

@@ -12,10 +12,13 @@ their results. The warm-up reaches back to the earlier of
 - the arrival of the ``policy.window.capacity``-th request before the cut: its
   length window is as full as in the unsharded replay,
 
-rounded down to an interval boundary, so that the shard decides at the
-unsharded replay's decision times. The server's queue and KV cache then hold
-what they would, except for a backlog older than the warm-up (a trace the
-server cannot keep up with): sharding suits the loads a server serves.
+rounded down to an interval boundary. A shard's tuner decides first once its
+warm-up window holds `min_samples` requests and every interval after, so its
+decisions fall in the same intervals as the unsharded replay's, at their own
+phase within an interval (the last one may fall after the trace's end). The
+server's queue and KV cache then hold what they would, except for a backlog
+older than the warm-up (a trace the server cannot keep up with): sharding
+suits the loads a server serves.
 
 `merge_shards` joins the shards' `Played` of one policy into the `Played` of
 the whole replay: each request's times come from the shard that owns it;

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Generic, TypeVar
 
 from apscheduler.job import Job
@@ -82,6 +82,14 @@ class DecisionScheduler(Generic[R]):
         )
         scheduler.start()
         self._scheduler = scheduler
+
+    def run_soon(self) -> None:
+        """Run once now on the scheduler's thread, then every interval from now (the first
+        decision as soon as there is enough to decide on); nothing when not started."""
+        if not self.running:
+            return
+        # The interval trigger counts its next run from this one's time.
+        self._scheduler.modify_job(JOB_ID, next_run_time=datetime.now(UTC))
 
     def stop(self, *, wait: bool = True) -> None:
         """Stop scheduling; with `wait`, let a run in progress finish first."""

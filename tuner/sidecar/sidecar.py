@@ -139,6 +139,7 @@ class Sidecar:
         self._save_failures = 0
         self._started = False
         self._stopped = False
+        self._early = False  # whether the first decision at min_samples was asked for
         self._restore()
         if engine is not None:
             self._current = engine.block_size
@@ -258,6 +259,18 @@ class Sidecar:
         )
         with self._lock:
             self._observations += len(batch)
+        self._first_decision_when_ready()
+
+    def _first_decision_when_ready(self) -> None:
+        """Decide as soon as the window first holds `window.min_samples` requests (then every
+        interval from then), rather than a whole interval after the start."""
+        with self._lock:
+            if self._early or self._body is not None:
+                return
+            if len(self.window) < self.policy.window.min_samples:
+                return
+            self._early = True
+        self.scheduler.run_soon()
 
     def push(self, payload: object) -> int:
         """Validate a decoded `POST /v1/observations` body and observe it, all or nothing."""
@@ -278,6 +291,7 @@ class Sidecar:
         with self._lock:
             self._observations += 1
         self.statuses["engine"].succeeded(1)
+        self._first_decision_when_ready()
 
     def _report_size(self, block_size: int) -> None:
         """A source reports the block size in use (vLLM's cache_config_info)."""

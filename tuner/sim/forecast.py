@@ -21,21 +21,35 @@ quartile of completions, away from the first admissions and the last
 stragglers, each request's tokens spread evenly over its decode. Above it the
 queue grows, so no multiple above it counts as within the SLO.
 
-Deciding needs only whether another size beats the one in force by the
-policy's `min_gain`, so the capacity of the size in force is bisected to
-`CAPACITY_TOLERANCE`, and every other size is first probed just above and just
-below it: a size that passes above is bisected upwards, one that fails below
-downwards (coarsely, `COARSE_STEPS`), and one in between is reported at the
-size in force's capacity, within `min_gain` of it. Capacities are monotone in
-the load multiple for this simulator (more load never serves faster), which is
-what the bisection relies on.
+Every candidate's capacity is bisected finely, so that no gain comes from the
+search's own resolution: the size in force first, to `CAPACITY_TOLERANCE`
+(0.2%, a tenth of the default `min_gain`), then every other size from a
+bracket around it, to `CHALLENGER_TOLERANCE` (0.5%, or `FAR_SHARE` of its
+distance from the size in force's capacity where coarser). Capacities are
+monotone in the load multiple for this simulator (more load never serves
+faster), which is what the bisection relies on.
+
+**Noise.** A sample of 128 requests is one draw of the traffic: the next
+window's capacities differ by a few percent although nothing changed. The
+forecast measures that noise on the sample itself with a bootstrap:
+`BOOTSTRAP_RESAMPLES` resamples, each drawing the sample's requests (their
+prompt and output lengths) with replacement onto the sample's own arrival
+times, from a fixed seed (the same window always gives the same answer). The
+arrival times are kept because a burst is what a TTFT p99 measures: gaps drawn
+independently smooth the bursts away and overstate every capacity. Each resample is
+forecast again (capacity to `RESAMPLE_TOLERANCE`, from a bracket around the
+candidate's own capacity; its saturated token rate; its TTFT p99 at headroom),
+every candidate on the same resamples, so that a comparison of two sizes is
+paired. `Forecast.capacity_interval` is the `INTERVAL_QUANTILES` range of a
+candidate's resampled capacities; the selector takes the same range of the
+per-resample gains for `gain_interval`.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -49,10 +63,14 @@ from blocktune.tuner.sim.workload import Workload
 
 __all__ = [
     "CAPACITY_RANGE",
+    "CAPACITY_TOLERANCE",
     "FORECAST_REQUESTS",
+    "SUSTAINED",
+    "Estimate",
     "Forecast",
     "Forecaster",
     "ServingMetrics",
+    "noise_interval",
 ]
 
 FORECAST_REQUESTS = 128
@@ -61,11 +79,33 @@ FORECAST_REQUESTS = 128
 CAPACITY_RANGE = (1 / 4096, 64.0)
 """The multiples of the observed arrival rate a capacity search spans (its result is clamped)."""
 
-CAPACITY_TOLERANCE = 0.01
-"""Relative width at which the capacity of the size in force is considered found."""
+CAPACITY_TOLERANCE = 0.002
+"""Relative width to which every candidate's capacity on the sample is bisected."""
 
-COARSE_STEPS = 3
-"""Bisection steps for a size that is clearly worse than the one in force."""
+CHALLENGER_TOLERANCE = 0.005
+"""Relative width to which the capacity of every other candidate is bisected (its result is the
+last load that passed, so a coarser search can only understate a challenger)."""
+
+FAR_SHARE = 1 / 8
+"""A challenger whose capacity is bracketed a distance d (log ratio) away from the size in
+force's is bisected only to d x this: its ranking against the size in force is settled."""
+
+RESAMPLE_TOLERANCE = 0.03
+"""Relative width to which a capacity is bisected on a bootstrap resample."""
+
+BRACKET_STEP = 1.05
+"""The first step of a capacity search away from its starting guess (squared at every further
+step), so that a capacity near the guess is bracketed in two runs."""
+
+BOOTSTRAP_RESAMPLES = 3
+"""Bootstrap resamples of the forecast's sample behind every interval (see the module
+docstring)."""
+
+BOOTSTRAP_SEED = 0
+"""The resamples' seed: the same window always gives the same intervals."""
+
+INTERVAL_QUANTILES = (0.1, 0.9)
+"""The quantiles of the resampled values that bound a reported interval."""
 
 SATURATION_FILLS = 4
 """How many times over a saturation run's requests fill the pool or batch (see the module
@@ -152,22 +192,91 @@ class ServingMetrics:
 
 
 @dataclass(frozen=True)
+class Estimate:
+    """One candidate on one sample: its capacity (load multiple), the token rate it generates
+    when saturated and its TTFT p99 at the headroom load."""
+
+    capacity: float
+    sustained_tokens_per_s: float
+    headroom_ttft_p99_s: float
+
+    def value(self, quantity: str) -> float:
+        """The estimate's `quantity`: a goal (capacity, ttft_p99) or `SUSTAINED`."""
+        if quantity == "capacity":
+            return self.capacity
+        if quantity == SUSTAINED:
+            return self.sustained_tokens_per_s
+        return self.headroom_ttft_p99_s
+
+
+SUSTAINED = "sustained tokens/s"
+"""The quantity ranked when the size in force cannot serve the observed load (capacity
+below 1x): the token rate each size generates when saturated."""
+
+
+@dataclass(frozen=True)
 class Forecast:
-    """One candidate's predicted service: at the observed load, at headroom, and its capacity."""
+    """One candidate's predicted service: at the observed load, at headroom, its capacity and
+    saturated token rate, and the same on every bootstrap resample (`resampled`)."""
 
     block_size: int
     observed: ServingMetrics
     headroom: ServingMetrics
     capacity: float
+    sustained_tokens_per_s: float = math.nan
+    resampled: tuple[Estimate, ...] = ()
+    capacity_interval: tuple[float, float] = (math.nan, math.nan)
+
+    @property
+    def estimate(self) -> Estimate:
+        """The sample's own estimate (not a resample's)."""
+        return Estimate(self.capacity, self.sustained_tokens_per_s, self.headroom.ttft_p99_s)
 
     def goal_value(self, goal: str) -> float:
         """The policy goal's value: the capacity, or TTFT p99 at the headroom load."""
-        return self.capacity if goal == "capacity" else self.headroom.ttft_p99_s
+        return self.value(goal)
+
+    def value(self, quantity: str) -> float:
+        """The sample's value of `quantity` (see `Estimate.value`)."""
+        return self.estimate.value(quantity)
+
+    def values(self, quantity: str) -> np.ndarray:
+        """The resamples' values of `quantity`."""
+        return np.array([e.value(quantity) for e in self.resampled])
+
+
+def noise_interval(values: np.ndarray, point: float) -> tuple[float, float]:
+    """The `INTERVAL_QUANTILES` range of the resampled `values`, widened to hold the sample's
+    own `point` estimate (a heavy-tailed sample, whose p99 rests on one or two requests, can
+    fall outside its resamples' range)."""
+    if not len(values):
+        return (point, point)
+    low, high = np.quantile(values, INTERVAL_QUANTILES)
+    return (min(float(low), point), max(float(high), point))
+
+
+def ranked_quantity(goal: str, current_capacity: float) -> str:
+    """What the candidates are ranked on: the goal, or `SUSTAINED` where the size in force
+    cannot serve the observed load within the SLO (capacity below 1x)."""
+    return SUSTAINED if current_capacity < 1.0 else goal
+
+
+def contenders(
+    forecasts: list[Forecast], current: int, quantity: str, candidates: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The size in force and its strongest challenger among `candidates` on `quantity` (the
+    best other candidate, ties to the smaller size): the sizes a decision compares."""
+    sign = 1 if goal_higher_is_better(quantity) else -1
+    others = [f for f in forecasts if f.block_size in candidates and f.block_size != current]
+    if not others:
+        return (current,)
+    best = max(others, key=lambda f: (sign * f.value(quantity), -f.block_size))
+    return current, best.block_size
 
 
 def goal_higher_is_better(goal: str) -> bool:
-    """Capacity is maximised; a latency is minimised."""
-    return goal == "capacity"
+    """Capacity (and `SUSTAINED`) is maximised; a latency is minimised."""
+    return goal != "ttft_p99"
 
 
 def relative_gain(goal: str, candidate: float, reference: float) -> float:
@@ -211,6 +320,10 @@ class Forecaster:
         """The multiple of `workload`'s arrival rate that the server sustains at `block_size`:
         its generated-token rate when saturated over the observed one (see the module
         docstring)."""
+        return self._saturated(workload, block_size)[0]
+
+    def _saturated(self, workload: Workload, block_size: int) -> tuple[float, float]:
+        """The sustained load multiple and the generated tokens/s when saturated."""
         span = float(workload.arrival_s[-1] - workload.arrival_s[0])
         held = float(np.mean(workload.total_tokens))
         at_once = min(self.policy.max_num_seqs, self.server.capacity_slots(block_size) / held)
@@ -226,74 +339,150 @@ class Forecaster:
             start_s, end_s = 0.0, run.end_s
         served = _tokens_between(run, saturated.output_tokens, start_s, end_s) / (end_s - start_s)
         offered = float(np.mean(workload.output_tokens)) * (len(workload) - 1) / span
-        return served / offered
+        return served / offered, served
+
+    def resamples(self, workload: Workload) -> list[Workload]:
+        """`BOOTSTRAP_RESAMPLES` bootstrap resamples of `workload`: its requests (their prompt
+        and output lengths) drawn with replacement onto its own arrival times."""
+        rng = np.random.default_rng(BOOTSTRAP_SEED)
+        n = len(workload)
+        out = []
+        for _ in range(BOOTSTRAP_RESAMPLES):
+            rows = rng.integers(0, n, n)
+            out.append(
+                Workload.of_lengths(
+                    workload.arrival_s, workload.prompt_tokens[rows], workload.output_tokens[rows]
+                )
+            )
+        return out
 
     def forecast(
         self, workload: Workload, current: int, block_sizes: tuple[int, ...]
     ) -> list[Forecast]:
-        """A `Forecast` per block size; `current` (the size in force) is priced first and
-        most precisely (see the module docstring)."""
-        headroom, gain = self.policy.headroom, self.policy.min_gain
+        """A `Forecast` per block size; `current` (the size in force) is priced first, the
+        others searched from its capacity, and the two contenders (see `contenders`) forecast
+        again on every bootstrap resample (see the module docstring)."""
+        policy = self.policy
         runs = {
-            b: (self.metrics(workload, b, 1.0), self.metrics(workload, b, headroom))
+            b: (self.metrics(workload, b, 1.0), self.metrics(workload, b, policy.headroom))
             for b in block_sizes
         }
-        sustained = {b: self.sustained_load(workload, b) for b in block_sizes}
-        reference = self._capacity(workload, current, runs[current], sustained[current])
-        out = []
+        saturated = {b: self._saturated(workload, b) for b in block_sizes}
+        observed, at_headroom = runs[current]
+        start = 0.5
+        if observed.meets(policy.slo):
+            start = policy.headroom if at_headroom.meets(policy.slo) else 1.0
+        reference = self._search(
+            workload, current, saturated[current][0], start, 2.0, known=runs[current]
+        )
+        capacities = {current: reference}
         for b in block_sizes:
-            capacity = reference
-            above = reference * (1 + gain)
-            meets = _Meets(self, workload, b, sustained[b])
-            if b != current and above <= CAPACITY_RANGE[1] and meets(above):
-                capacity = self._bisect(meets, reference * (1 + gain), CAPACITY_RANGE[1])
-            elif b != current and not meets(reference * (1 - gain)):
-                low = max(CAPACITY_RANGE[0], reference / 8)
-                capacity = self._bisect(meets, low, reference * (1 - gain), COARSE_STEPS)
-            out.append(Forecast(b, runs[b][0], runs[b][1], capacity))
+            if b != current:
+                capacities[b] = self._search(
+                    workload,
+                    b,
+                    saturated[b][0],
+                    reference,
+                    BRACKET_STEP,
+                    CHALLENGER_TOLERANCE,
+                    known=runs[b],
+                    far_share=FAR_SHARE,
+                )
+        point = {b: Forecast(b, *runs[b], capacities[b], saturated[b][1]) for b in block_sizes}
+        quantity = ranked_quantity(policy.goal, reference)
+        pair = contenders(list(point.values()), current, quantity, policy.candidates)
+        resampled = self._resampled(workload, pair, capacities)
+        relative = np.array([e.capacity for e in resampled[current]]) / reference
+        out = []
+        for b, forecast in point.items():
+            if b in resampled:
+                estimates = tuple(resampled[b])
+                interval = noise_interval(np.array([e.capacity for e in estimates]), capacities[b])
+            else:  # not a contender: the size in force's relative noise around its capacity
+                estimates = ()
+                interval = noise_interval(relative * capacities[b], capacities[b])
+            out.append(replace(forecast, resampled=estimates, capacity_interval=interval))
+        return out
+
+    def _resampled(
+        self, workload: Workload, sizes: tuple[int, ...], capacities: dict[int, float]
+    ) -> dict[int, list[Estimate]]:
+        """Each of `sizes` estimated again on every bootstrap resample, the first of them (the
+        size in force) from its own capacity, the others from the first's capacity on the same
+        resample times their ratio on the sample (paired)."""
+        headroom, first = self.policy.headroom, sizes[0]
+        out: dict[int, list[Estimate]] = {b: [] for b in sizes}
+        for sample in self.resamples(workload):
+            anchor = capacities[first]
+            for b in sizes:
+                sustained, tokens_per_s = self._saturated(sample, b)
+                guess = capacities[b] if b == first else anchor * capacities[b] / capacities[first]
+                capacity = self._search(
+                    sample, b, sustained, guess, BRACKET_STEP, RESAMPLE_TOLERANCE
+                )
+                if b == first:
+                    anchor = capacity
+                ttft = math.nan
+                if self.policy.goal == "ttft_p99":
+                    ttft = self.metrics(sample, b, headroom).ttft_p99_s
+                out[b].append(Estimate(capacity, tokens_per_s, ttft))
         return out
 
     def meets(self, workload: Workload, block_size: int, load: float) -> bool:
         """Whether the SLO holds at `load` times the arrival rate and the server sustains it."""
         return _Meets(self, workload, block_size, self.sustained_load(workload, block_size))(load)
 
-    def _capacity(self, workload: Workload, b: int, known: tuple, sustained: float) -> float:
-        """The capacity of `b`, bracketed from its observed and headroom runs, then bisected."""
+    def _search(
+        self,
+        workload: Workload,
+        block_size: int,
+        sustained: float,
+        guess: float,
+        step: float,
+        tolerance: float = CAPACITY_TOLERANCE,
+        known: tuple[ServingMetrics, ServingMetrics] | None = None,
+        far_share: float = 0.0,
+    ) -> float:
+        """The capacity of `block_size` on `workload`: bracketed from `guess` by steps of
+        `step` (squared at every further step) within `CAPACITY_RANGE`, then bisected to
+        `tolerance`, or to `far_share` of the bracket's distance from `guess` where that is
+        coarser. `known` are its runs at the observed and the headroom load."""
         low_limit, high_limit = CAPACITY_RANGE
-        headroom, slo = self.policy.headroom, self.policy.slo
-        meets = _Meets(self, workload, b, sustained)
-        if known[1].meets(slo) and headroom <= sustained:
-            low, high = headroom, headroom * 4
-            while high < high_limit and meets(high):
-                low, high = high, high * 4
-            if high >= high_limit:
-                if meets(high_limit):
+        meets = _Meets(self, workload, block_size, sustained)
+        if known is not None:
+            slo = self.policy.slo
+            meets.known.update(
+                {1.0: known[0].meets(slo), self.policy.headroom: known[1].meets(slo)}
+            )
+        guess = min(max(guess, low_limit), high_limit)
+        if meets(guess):
+            low, high = guess, min(guess * step, high_limit)
+            while meets(high):
+                if high >= high_limit:
                     return high_limit  # served within the SLO at the top of the range
-                high = high_limit
-        elif known[0].meets(slo) and sustained >= 1.0:
-            low, high = 1.0, headroom
+                low, step = high, step * step
+                high = min(low * step, high_limit)
         else:
-            low, high = 0.25, 1.0
-            while low > low_limit and not meets(low):
-                low, high = low / 4, low
-            low = max(low, low_limit)
-        return self._bisect(meets, low, high)
+            low, high = max(guess / step, low_limit), guess
+            while not meets(low):
+                if low <= low_limit:
+                    return low_limit  # not served within the SLO even at the bottom
+                high, step = low, step * step
+                low = max(high / step, low_limit)
+        distance = min(abs(math.log(low / guess)), abs(math.log(high / guess)))
+        return _bisect(meets, low, high, max(tolerance, far_share * distance))
 
-    @staticmethod
-    def _bisect(meets: Callable[[float], bool], low: float, high: float, steps: int = 0) -> float:
-        """Bisect (geometric midpoints) between a passing `low` and a failing `high`;
-        without `steps`, to `CAPACITY_TOLERANCE`. Returns the last passing multiple."""
-        if not high > low:
-            return min(low, high)
-        if steps == 0:
-            steps = max(1, math.ceil(math.log2(math.log(high / low) / CAPACITY_TOLERANCE)))
-        for _ in range(steps):
-            middle = math.sqrt(low * high)
-            if meets(middle):
-                low = middle
-            else:
-                high = middle
-        return low
+
+def _bisect(meets: Callable[[float], bool], low: float, high: float, tolerance: float) -> float:
+    """Bisect (geometric midpoints) between a passing `low` and a failing `high` until they are
+    within `tolerance` of one another. Returns the last passing multiple."""
+    while high / low > 1 + tolerance:
+        middle = math.sqrt(low * high)
+        if meets(middle):
+            low = middle
+        else:
+            high = middle
+    return low
 
 
 def _tokens_between(run: Run, outputs: np.ndarray, start_s: float, end_s: float) -> float:
@@ -318,9 +507,13 @@ class _Meets:
     workload: Workload
     block_size: int
     sustained: float
+    known: dict[float, bool] = field(default_factory=dict)
+    """Whether the SLO held at a load multiple, for the loads already served."""
 
     def __call__(self, load: float) -> bool:
         if load > self.sustained:
             return False
-        metrics = self.forecaster.metrics(self.workload, self.block_size, load)
-        return metrics.meets(self.forecaster.policy.slo)
+        if load not in self.known:
+            metrics = self.forecaster.metrics(self.workload, self.block_size, load)
+            self.known[load] = metrics.meets(self.forecaster.policy.slo)
+        return self.known[load]

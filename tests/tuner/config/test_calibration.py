@@ -1,7 +1,6 @@
 """Calibration files: the bundled analytic model, the default's preference, `calibrate` on CPU."""
 
 import shutil
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -158,7 +157,6 @@ def test_host_bookkeeping_is_measured_per_generated_token():
 
 def test_calibrate_on_cpu_writes_a_measured_file(tmp_path, capsys):
     out = tmp_path / "cpu.yaml"
-    begin = time.perf_counter()
     assert main(["calibrate", "--device", "cpu", "--quick", "--block-sizes", "8", "32"]) == 0
     printed = capsys.readouterr().out
     assert (
@@ -177,7 +175,6 @@ def test_calibrate_on_cpu_writes_a_measured_file(tmp_path, capsys):
         )
         == 0
     )
-    assert time.perf_counter() - begin < 30
     assert "kind: measured" in printed
     calibration = load_calibration(out)
     provenance = calibration.provenance

@@ -9,7 +9,15 @@ from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.config.calibration import analytic_calibration
 from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.core.selector import InvalidBlockSize, Selector
-from blocktune.tuner.sim.forecast import CAPACITY_RANGE, Forecaster
+from blocktune.tuner.sim.forecast import (
+    CAPACITY_RANGE,
+    SUSTAINED,
+    Estimate,
+    Forecast,
+    Forecaster,
+    ServingMetrics,
+    noise_interval,
+)
 from blocktune.tuner.sim.window import LengthWindow
 
 POLICIES = Path(__file__).resolve().parents[3] / "policies"
@@ -153,3 +161,82 @@ def test_the_decision_as_json_names_its_choice_and_predictions():
     for row in body["candidates"]:
         assert {"tokens_per_s", "ttft_p99_s", "tpot_p99_s", "capacity", "headroom"} <= set(row)
         assert isinstance(row["capacity"], float)
+
+
+def _metrics(ttft_p99_s: float = 0.1) -> ServingMetrics:
+    return ServingMetrics(100.0, 0.05, ttft_p99_s, 0.05, 0.06, 1.0, 0, 0)
+
+
+def _forecast(size: int, capacity: float, resampled: list[float], tokens_per_s: float = 100.0):
+    estimates = tuple(Estimate(c, tokens_per_s * c / capacity, 0.1) for c in resampled)
+    interval = noise_interval(np.array(resampled), capacity)
+    return Forecast(size, _metrics(), _metrics(), capacity, tokens_per_s, estimates, interval)
+
+
+def _decide_with(forecasts, current: int, policy=DEFAULT):
+    """The selector's decision on the promotion window, its forecasts replaced by `forecasts`."""
+    selector = Selector(policy, ANALYTIC)
+    selector.forecaster.forecast = lambda workload, current, sizes: forecasts
+    return selector.decide(promo_window(), current, now=0.0)
+
+
+def test_a_gain_within_the_forecasts_noise_keeps_the_size_in_force():
+    """B=64 is 3% better on the sample, but over the resamples -1% to +6%: no switch, and the
+    reason says it is noise."""
+    forecasts = [
+        _forecast(16, 2.0, [2.0, 2.1, 1.9, 2.0]),
+        _forecast(64, 2.06, [1.98, 2.23, 2.0, 2.05]),
+        *(_forecast(b, 1.5, [1.5] * 4) for b in (8, 32, 128)),
+    ]
+    decision = _decide_with(forecasts, 16)
+    assert decision.gain == pytest.approx(0.03)
+    low, high = decision.gain_interval
+    assert low < DEFAULT.min_gain < high
+    assert not decision.switch and not decision.material
+    assert decision.recommended_block_size == 16
+    assert "within the forecast's noise" in decision.reason and decision.reason.endswith("B=16")
+    body = decision.to_dict()
+    assert body["gain_interval"] == [pytest.approx(low), pytest.approx(high)]
+    assert all(len(row["capacity_interval"]) == 2 for row in body["candidates"])
+
+
+def test_a_gain_beyond_the_noise_switches_and_going_back_needs_one_too():
+    """B=64 is 5-8% better on every resample: switch. From 64, 16 is worse: keep 64 (no flip
+    back). Had the resamples put 16 within the noise of 64, it would stay too."""
+    forecasts = [
+        _forecast(16, 2.0, [2.0, 2.1, 1.9, 2.0]),
+        _forecast(64, 2.14, [2.12, 2.26, 2.0, 2.15]),
+        *(_forecast(b, 1.5, [1.5] * 4) for b in (8, 32, 128)),
+    ]
+    decision = _decide_with(forecasts, 16)
+    assert decision.switch and decision.material and decision.block_size == 64
+    assert decision.gain_interval[0] > DEFAULT.min_gain
+    assert decision.reason.startswith("switch B=16 -> 64: B=64 is ")
+    assert "beyond the forecast's noise" in decision.reason
+    back = _decide_with(forecasts, 64)
+    assert not back.switch and back.recommended_block_size == 64
+    assert back.reason.startswith("B=64 is the best candidate on capacity")
+    noisy = [
+        _forecast(16, 2.06, [1.98, 2.23, 2.0, 2.05]),
+        _forecast(64, 2.0, [2.0, 2.1, 1.9, 2.0]),
+        *(_forecast(b, 1.5, [1.5] * 4) for b in (8, 32, 128)),
+    ]
+    assert not _decide_with(noisy, 64).switch
+
+
+def test_overloaded_the_sizes_are_ranked_by_what_they_still_serve():
+    """Every capacity below 1x (on the search's floor): rank by saturated tokens/s; 8 serves
+    10% more on every resample, so it is material and the reason says how it ranked."""
+    floor = CAPACITY_RANGE[0]
+    forecasts = [_forecast(b, floor, [floor] * 4, tokens_per_s=100.0) for b in (16, 32, 64, 128)]
+    forecasts.append(_forecast(8, floor, [floor] * 4, tokens_per_s=110.0))
+    decision = _decide_with(forecasts, 16)
+    assert decision.ranked_by == SUSTAINED
+    assert decision.reason.startswith("switch B=16 -> 8: overloaded (B=16 serves")
+    assert "ranking by sustained tokens/s" in decision.reason
+    assert decision.switch and decision.material and decision.block_size == 8
+    assert decision.gain == pytest.approx(0.10)
+    same = [_forecast(b, floor, [floor] * 4) for b in DEFAULT.candidates]
+    kept = _decide_with(same, 16)
+    assert not kept.material and kept.recommended_block_size == 16
+    assert "nan" not in kept.reason

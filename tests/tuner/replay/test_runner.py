@@ -12,6 +12,7 @@ import pytest
 from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.config.calibration import analytic_calibration
 from blocktune.tuner.config.policy import Policy, load_policy
+from blocktune.tuner.replay.controllers import DECISION_TICKS
 from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, within_slo
 from blocktune.tuner.replay.plots import PLOT_FILES, write_plots
 from blocktune.tuner.replay.report import RESULT_KEYS, comparisons, format_replay_table, report_dict
@@ -48,13 +49,15 @@ def test_every_policy_serves_every_token(day_report):
 
 def test_the_oracle_follows_the_best_static_size_of_each_interval_on_the_goal():
     """Capacity is scored as requests within the SLO per interval; the oracle takes the best
-    size of each interval (ties to the smaller), and keeps it through an empty one."""
+    size of each interval (ties to the preferred one, the best static size of the whole run),
+    and keeps it through an empty one."""
     scores = GoalScores(
         "capacity", (8, 16), np.array([[3.0, 5.0], [np.nan, np.nan], [4.0, 4.0], [1.0, 0.0]])
     )
-    assert scores.best_schedule().tolist() == [16, 16, 8, 8]
+    assert scores.best_schedule(8).tolist() == [16, 16, 8, 8]
+    assert scores.best_schedule(16).tolist() == [16, 16, 16, 8]
     latency = GoalScores("ttft_p99", (8, 16), np.array([[0.5, 0.2], [0.1, 0.3]]))
-    assert latency.best_schedule().tolist() == [16, 8]
+    assert latency.best_schedule(8).tolist() == [16, 8]
 
 
 @pytest.mark.slow
@@ -108,10 +111,16 @@ def test_interval_schedules():
 @pytest.mark.slow
 def test_adaptive_keeps_16_where_the_block_size_does_not_matter(day_report):
     """Every size serves the light day within the SLO alike, so the selector keeps 16 at
-    every decision (no swap, no pause)."""
+    every decision (no swap, no pause). It first decides once the window holds min_samples
+    finished requests (within a tick), then every interval."""
     run = day_report.runs[ADAPTIVE]
     timeline = day_report.timeline
-    assert len(timeline) == int(run.end_s // POLICY.interval.total_seconds())
+    interval = POLICY.interval.total_seconds()
+    finished = np.sort(run.finish_s)
+    reached = finished[POLICY.window.min_samples - 1]
+    assert reached <= timeline[0].t_s <= reached + interval / DECISION_TICKS + 1.0
+    assert np.diff([p.t_s for p in timeline]) == pytest.approx(interval, abs=1.0)
+    assert len(timeline) == int((run.end_s - timeline[0].t_s) // interval) + 1
     assert {p.block_size for p in timeline} == {16}
     assert run.swaps == 0 and run.swap_pause_s == 0.0
     assert not any("short of capacity" in w for w in day_report.warnings)
@@ -351,3 +360,35 @@ def test_a_trace_shorter_than_one_interval_warns_that_the_tuner_never_decided():
         "decides only once the trace's last requests run past it, so its result says little"
     ]
     assert report.runs[ADAPTIVE].swaps == 0 and report.timeline == []
+
+
+def test_the_oracle_is_never_below_the_best_static_size(day_report):
+    """The oracle follows the best size of each interval on the goal (ties to the best static
+    size); where that would score less it is the best static size, never below it."""
+    statics = [r.goal_value for r in day_report.results if r.block_size is not None]
+    assert day_report.result(ORACLE).goal_value >= max(statics)
+
+
+def test_with_no_request_within_the_slo_the_report_compares_tokens_per_s_and_prints_no_nan():
+    """An SLO no request can meet (TTFT under 0.1 ms): every goodput is 0, so the comparisons
+    fall back to tokens/s and the table says why; no `nan` in the table or the JSON."""
+    rng = np.random.default_rng(4)
+    frame = pd.DataFrame(
+        {
+            "arrival_s": np.sort(rng.uniform(0, 900, 400)),
+            "prompt_tokens": rng.integers(20, 200, 400),
+            "output_tokens": rng.integers(10, 60, 400),
+        }
+    )
+    strict = POLICY.model_copy(update={"slo": POLICY.slo.model_copy(update={"ttft_p99_s": 1e-4})})
+    report = replay(frame, strict, CALIBRATION, label="strict")
+    assert all(r.goal_value == 0 for r in report.results)
+    ratios = comparisons(report)
+    best = max(r.tokens_per_s for r in report.results if r.block_size is not None)
+    adaptive = report.result(ADAPTIVE).tokens_per_s
+    assert ratios["adaptive_vs_best_static_goal"] == pytest.approx(adaptive / best)
+    table = format_replay_table(report)
+    assert "nan" not in table.lower()
+    assert "compared on tokens/s" in table
+    assert "adaptive: 0 switches" in table or "switches (each needs" in table
+    assert "nan" not in json.dumps(report_dict(report)).lower()

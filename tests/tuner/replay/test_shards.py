@@ -83,10 +83,17 @@ def test_sharded_and_unsharded_replays_agree_on_the_embedded_day(day_plan, whole
                 assert got == expected, (one.policy, key)
             else:
                 assert got == pytest.approx(expected, rel=TOLERANCE), (one.policy, key)
+    # A shard's tuner decides first when its warm-up window holds min_samples, so its
+    # decisions keep their own phase within an interval: every interval both decided in has
+    # the same size, and the last interval's decision may fall after the trace in one of them.
     interval_s = day_plan.costs.interval_s
-    assert [(p.t_s // interval_s, p.block_size) for p in sharded.timeline] == [
-        (p.t_s // interval_s, p.block_size) for p in whole.timeline
+    by_interval = [
+        {int(p.t_s // interval_s): p.block_size for p in report.timeline}
+        for report in (sharded, whole)
     ]
+    both = by_interval[0].keys() & by_interval[1].keys()
+    assert len(both) >= len(by_interval[1]) - 1
+    assert {i: by_interval[0][i] for i in both} == {i: by_interval[1][i] for i in both}
 
 
 def test_more_shards_than_the_trace_can_hold_is_an_error(day_plan):

@@ -1,6 +1,7 @@
 """The sidecar's HTTP API on a real uvicorn server: observations in, decisions and metrics out."""
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -61,6 +62,15 @@ def test_observations_decide_recommendation_and_metrics(live_server):
         items = short_requests(300)
         first = httpx.post(f"{url}/v1/observations", json=items[:100], headers=AUTH)
         assert first.json() == {"accepted": 100, "window_requests": 100}
+        # The window now holds min_samples (100): the sidecar decides at once, not an
+        # interval later.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if "samples" in httpx.get(f"{url}/v1/recommendation").json():
+                break
+            time.sleep(0.05)
+        early = httpx.get(f"{url}/v1/recommendation").json()
+        assert early["samples"] == 100 and "gain_interval" in early
         wrapped = httpx.post(
             f"{url}/v1/observations", json={"observations": items[100:]}, headers=AUTH
         )
@@ -91,7 +101,7 @@ def test_observations_decide_recommendation_and_metrics(live_server):
         assert m["blocktune_current_block_size"][""] == 16
         assert m["blocktune_window_requests"][""] == 300
         assert m["blocktune_observations_total"][""] == 300
-        assert m["blocktune_decisions_total"] == {"true": 1, "false": 0}
+        assert sum(m["blocktune_decisions_total"].values()) == 2  # at min_samples, then asked
         assert m["blocktune_decision_failures_total"][""] == 0
         assert m["blocktune_source_errors_total"] == {"push": 0}
         padding = m["blocktune_padding_ratio"]

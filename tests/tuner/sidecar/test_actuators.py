@@ -4,6 +4,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -81,6 +82,15 @@ def swaps(url: str) -> str:
     return "\n".join(line for line in text.splitlines() if line.startswith("blocktune_swaps"))
 
 
+def first_decision(url: str, sidecar: Sidecar) -> dict:
+    """The recommendation after the decision the sidecar makes once its window holds
+    min_samples (it runs on the scheduler's thread: wait for it, 30 s at most)."""
+    deadline = time.monotonic() + 30
+    while sidecar.scheduler.runs == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return httpx.get(f"{url}/v1/recommendation").json()
+
+
 def test_transient_failures_are_retried_and_the_switch_recorded(live_server, monkeypatch, tmp_path):
     monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
     worker = {"calls": [], "fail": 2, "status": "done", "block_size": 16}
@@ -88,7 +98,7 @@ def test_transient_failures_are_retried_and_the_switch_recorded(live_server, mon
         sidecar = Sidecar(enforcing(worker_url), state_file=tmp_path / "state.json")
         with live_server(create_sidecar_app(sidecar)) as url:
             httpx.post(f"{url}/v1/observations", json=short_requests(300))
-            body = httpx.post(f"{url}/v1/decide").json()
+            body = first_decision(url, sidecar)  # made as the window reached min_samples
             assert body["switch"] is True and body["enforcing"] is True
             assert worker["calls"] == [{"block_size": 8}] * 3
             actuation = body["actuation"]
@@ -119,7 +129,7 @@ def test_a_rejected_swap_is_recorded_and_no_switch_is(live_server, monkeypatch):
         sidecar = Sidecar(enforcing(worker_url))
         with live_server(create_sidecar_app(sidecar)) as url:
             httpx.post(f"{url}/v1/observations", json=short_requests(300))
-            body = httpx.post(f"{url}/v1/decide").json()
+            body = first_decision(url, sidecar)
             assert body["actuation"]["status"] == "rejected"
             assert body["actuation"]["reason"] == "request 3 may hold 900 tokens"
             assert body["current_block_size"] == 16

@@ -305,7 +305,11 @@ def test_a_size_the_server_refuses_rolls_back_once_and_is_then_rejected(tmp_path
     sidecar = Sidecar(vllm_policy(port, *extra, tmp_path=tmp_path), state_file=tmp_path / "s")
     with live_server(create_sidecar_app(sidecar)) as url:
         httpx.post(f"{url}/v1/observations", json=short_requests(300))
-        body = httpx.post(f"{url}/v1/decide", timeout=60).json()
+        # The window reached min_samples: the first decision runs at once, on its own.
+        deadline = time.monotonic() + 120
+        while sidecar.scheduler.runs == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        body = httpx.get(f"{url}/v1/recommendation", timeout=60).json()
         assert body["switch"] is True
         actuation = body["actuation"]
         assert actuation["status"] == "rolled_back"

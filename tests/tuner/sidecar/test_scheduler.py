@@ -1,9 +1,11 @@
 """The decision scheduler and the selector's decide-apply-record step it runs in the sidecar."""
 
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from blocktune.tuner.config.calibration import analytic_calibration
 from blocktune.tuner.config.policy import load_policy
@@ -124,3 +126,21 @@ def test_run_now_reports_a_failure_as_none():
     assert scheduler.run_now() is None
     assert scheduler.failures == 1 and scheduler.runs == 0
     assert "power of two" in scheduler.last_error
+
+
+def test_run_soon_runs_now_then_every_interval_from_then():
+    """An hour's interval: nothing runs at the start; `run_soon` (the sidecar calls it when its
+    window first holds min_samples) runs at once and schedules the next run an hour later."""
+    runs = []
+    scheduler = DecisionScheduler(lambda: runs.append(time.time()), timedelta(hours=1))
+    scheduler.run_soon()  # not started: nothing happens
+    scheduler.start()
+    try:
+        assert scheduler.runs == 0
+        asked = time.time()
+        scheduler.run_soon()
+        assert wait_for(lambda: scheduler.runs == 1)
+        next_run = scheduler.job.next_run_time.timestamp()
+        assert next_run == pytest.approx(runs[0] + 3600, abs=5) and runs[0] >= asked - 1
+    finally:
+        scheduler.stop()

@@ -1,13 +1,19 @@
 """The sidecar checks what a vLLM server reports against its policy: a block size the
-policy's backend refuses or no candidate, another attention backend, another device."""
+policy's backend refuses or no candidate, another attention backend, another device.
+It decides as soon as its window first holds min_samples requests."""
 
 import json
 import logging
 import sys
+import time
 from pathlib import Path
+
+import numpy as np
 
 from blocktune.tuner.config.policy import Policy, load_policy
 from blocktune.tuner.sidecar.sidecar import Sidecar
+
+POLICY = load_policy(Path(__file__).resolve().parents[3] / "policies" / "default.yaml")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fake_vllm import metrics_text  # noqa: E402
@@ -51,3 +57,37 @@ def test_a_reported_size_backend_or_platform_at_odds_with_the_policy_is_warned_o
     sidecar._report_engine("cpu", None)
     device = mismatches(caplog)[-1]
     assert device["kind"] == "device" and "cpu (as the engine reports)" in device["warning"]
+
+
+def observations(count: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    return [
+        {"prompt_tokens": int(p), "output_tokens": int(o), "timestamp": 1.7e9 + 0.2 * i}
+        for i, (p, o) in enumerate(
+            zip(rng.integers(60, 90, count), rng.integers(20, 60, count), strict=True)
+        )
+    ]
+
+
+def test_the_first_decision_comes_at_min_samples_not_an_interval_later():
+    """A 5-minute interval: below min_samples nothing is decided; the push that brings the
+    window to min_samples starts a decision at once, and the next one is an interval later."""
+    sidecar = Sidecar(POLICY)
+    sidecar.start()
+    try:
+        below = POLICY.window.min_samples - 1
+        sidecar.push(observations(below))
+        time.sleep(0.2)
+        assert sidecar.scheduler.runs == 0
+        assert sidecar.recommendation()["reason"] == "no decision yet"
+        sidecar.push(observations(1))
+        deadline = time.monotonic() + 30
+        while sidecar.scheduler.runs == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sidecar.scheduler.runs == 1
+        body = sidecar.recommendation()
+        assert body["samples"] == POLICY.window.min_samples and "gain_interval" in body
+        interval = POLICY.interval.total_seconds()
+        assert body["next_run_at"] - body["decided_at"] >= interval - 5
+    finally:
+        sidecar.stop()

@@ -190,11 +190,12 @@ def test_sidecar_recommends_a_restart_for_vllm(live_server, caplog):
         sidecar = Sidecar(policy)
         with live_server(create_sidecar_app(sidecar)) as url:
             assert wait_for(lambda: httpx.get(f"{url}/readyz").status_code == 200)
-            vllm.add(ENGINE_A, rng.integers(15, 26, 400), rng.integers(8, 25, 400))
-            holder["text"] = vllm.text()
-            assert wait_for(lambda: len(sidecar.window) == 400)
             with caplog.at_level("INFO", logger="blocktune.sidecar"):
-                body = httpx.post(f"{url}/v1/decide").json()
+                vllm.add(ENGINE_A, rng.integers(15, 26, 400), rng.integers(8, 25, 400))
+                holder["text"] = vllm.text()
+                # The window reaches min_samples at once: the sidecar decides then.
+                assert wait_for(lambda: sidecar.scheduler.runs == 1)
+                body = httpx.get(f"{url}/v1/recommendation").json()
                 again = httpx.post(f"{url}/v1/decide").json()
             assert body["current_block_size"] == 32 and body["block_size"] == 16
             assert body["material"] is True and body["switch_cost_s"] == 60.0

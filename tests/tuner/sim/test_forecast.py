@@ -1,0 +1,125 @@
+"""Forecasts: capacities bisected finely, bootstrap intervals, and a capacity one can check."""
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from blocktune.traces.loaders import load_trace
+from blocktune.tuner.config.calibration import analytic_calibration
+from blocktune.tuner.config.policy import load_policy
+from blocktune.tuner.core.recommendation import recommend
+from blocktune.tuner.sim.forecast import (
+    BOOTSTRAP_RESAMPLES,
+    CAPACITY_RANGE,
+    CAPACITY_TOLERANCE,
+    CHALLENGER_TOLERANCE,
+    FAR_SHARE,
+    Forecaster,
+)
+from blocktune.tuner.sim.window import LengthWindow
+from blocktune.tuner.sim.workload import Workload
+
+ROOT = Path(__file__).resolve().parents[3]
+DEFAULT = load_policy(ROOT / "policies" / "default.yaml")
+TIGHT = DEFAULT.model_copy(update={"kv_budget": 48 * 2**20})  # 384 token slots: it fills
+ANALYTIC = analytic_calibration()
+SHARED = ROOT.parent / "shared" / "traces"
+SHAREGPT = SHARED / "sharegpt_lengths" / "sharegpt_8k_filtered_stats_llama2_tokenizer.csv"
+AZURE = SHARED / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+
+
+def promo_workload(forecaster: Forecaster) -> Workload:
+    rng = np.random.default_rng(2)
+    window = LengthWindow(500)
+    window.observe_many(
+        rng.integers(15, 26, 500), rng.integers(8, 25, 500), timestamps=np.arange(500) / 5
+    )
+    return forecaster.workload_of(window.snapshot())
+
+
+def test_every_capacity_is_bisected_well_under_min_gain():
+    """The size in force to 0.2% and every other size to 0.5% (both well under the 2% min_gain),
+    or, far from the size in force, to an eighth of the distance: the SLO holds at each
+    reported capacity and fails that fraction above it, so no gain is an artefact of the
+    search."""
+    assert DEFAULT.min_gain / 10 >= CAPACITY_TOLERANCE and DEFAULT.min_gain > CHALLENGER_TOLERANCE
+    forecaster = Forecaster(TIGHT, ANALYTIC)
+    workload = promo_workload(forecaster)
+    forecasts = forecaster.forecast(workload, 16, TIGHT.candidates)
+    reference = next(f.capacity for f in forecasts if f.block_size == 16)
+    for forecast in forecasts:
+        distance = abs(math.log(forecast.capacity / reference))
+        tolerance = max(CHALLENGER_TOLERANCE, FAR_SHARE * distance)
+        if forecast.block_size == 16:
+            tolerance = CAPACITY_TOLERANCE
+        assert CAPACITY_RANGE[0] < forecast.capacity < CAPACITY_RANGE[1]
+        assert forecaster.meets(workload, forecast.block_size, forecast.capacity)
+        above = forecast.capacity * (1 + tolerance)
+        assert not forecaster.meets(workload, forecast.block_size, above)
+
+
+def test_intervals_come_from_resamples_of_the_window_and_repeat_exactly():
+    """The size in force and its challenger are forecast again on every bootstrap resample;
+    each capacity's interval holds its own estimate; the same window gives the same intervals."""
+    forecaster = Forecaster(TIGHT, ANALYTIC)
+    workload = promo_workload(forecaster)
+    first = forecaster.forecast(workload, 16, TIGHT.candidates)
+    again = forecaster.forecast(workload, 16, TIGHT.candidates)
+    assert [f.capacity_interval for f in first] == [f.capacity_interval for f in again]
+    resampled = [f for f in first if f.resampled]
+    assert len(resampled) == 2 and resampled[0].block_size in (8, 16)
+    for forecast in first:
+        low, high = forecast.capacity_interval
+        assert low <= forecast.capacity <= high
+    for forecast in resampled:
+        assert len(forecast.resampled) == BOOTSTRAP_RESAMPLES
+        capacities = forecast.values("capacity")
+        assert capacities.min() < capacities.max()  # the resamples differ
+    samples = forecaster.resamples(workload)
+    assert all(np.array_equal(s.arrival_s, workload.arrival_s) for s in samples)
+    assert not np.array_equal(samples[0].prompt_tokens, workload.prompt_tokens)
+
+
+def _window_meets(frame, policy, load: float) -> bool:
+    """Whether the SLO holds over the whole of `frame` replayed at B=16 at `load` x its rate."""
+    forecaster = Forecaster(policy, ANALYTIC)
+    workload = Workload.from_frame(frame.reset_index(drop=True))
+    workload = replace(workload, arrival_s=workload.arrival_s - workload.arrival_s[0])
+    return forecaster.metrics(workload, 16, load).meets(policy.slo)
+
+
+CHECKABLE = 1000
+"""The requests replayed to check a capacity: the window a default policy keeps."""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHAREGPT.exists(), reason="../shared/traces is not present")
+def test_the_reported_capacity_holds_at_0_9x_and_fails_at_1_1x_on_sharegpt():
+    """ShareGPT lengths at 1 request/s, 32 GiB of KV: `recommend` on the last 1000 requests
+    reports B=16's capacity; those 1000 requests replayed at 0.9x it meet the SLO, at 1.1x
+    they do not (tolerance reached: +-10%; the window's own capacity is 0.93x the reported)."""
+    policy = DEFAULT.model_copy(update={"kv_budget": 32 * 2**30})
+    frame = load_trace(SHAREGPT, "lengths", rate=1.0, seed=0).frame.tail(CHECKABLE)
+    decision, _, _ = recommend(frame, policy, ANALYTIC, current_block_size=16)
+    capacity = {f.block_size: f.capacity for f in decision.forecasts}[16]
+    assert _window_meets(frame, policy, 0.9 * capacity)
+    assert not _window_meets(frame, policy, 1.1 * capacity)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AZURE.exists(), reason="../shared/traces is not present")
+@pytest.mark.xfail(
+    strict=True,
+    reason="the Azure conversation trace's bursts last minutes, longer than the forecast's "
+    "128-request sample (about 25 s): the last 1000 requests meet the SLO only up to 0.52x "
+    "the capacity reported for 32 GiB",
+)
+def test_the_reported_capacity_holds_at_0_9x_on_the_azure_conversation_trace():
+    policy = DEFAULT.model_copy(update={"kv_budget": 32 * 2**30})
+    frame = load_trace(AZURE, "azure").frame.tail(CHECKABLE)
+    decision, _, _ = recommend(frame, policy, ANALYTIC, current_block_size=16)
+    capacity = {f.block_size: f.capacity for f in decision.forecasts}[16]
+    assert _window_meets(frame, policy, 0.9 * capacity)
