@@ -126,6 +126,7 @@ def test_adaptive_keeps_16_where_the_block_size_does_not_matter(day_report):
     assert not any("short of capacity" in w for w in day_report.warnings)
 
 
+@pytest.mark.slow
 def test_a_grow_is_charged_its_pause():
     """Short requests, then long ones (about 10 running at once, the pool full): the
     adaptive policy grows the blocks while requests are live; each swap pauses the server
@@ -362,6 +363,7 @@ def test_a_trace_shorter_than_one_interval_warns_that_the_tuner_never_decided():
     assert report.runs[ADAPTIVE].swaps == 0 and report.timeline == []
 
 
+@pytest.mark.slow
 def test_the_oracle_is_never_below_the_best_static_size(day_report):
     """The oracle follows the best size of each interval on the goal (ties to the best static
     size); where that would score less it is the best static size, never below it."""
