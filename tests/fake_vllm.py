@@ -87,6 +87,11 @@ class Engine:
     def in_flight(self) -> tuple[int, int]:
         return len(self.running), self.waiting.qsize()
 
+    def used_blocks(self) -> int:
+        """Blocks the running requests hold."""
+        held = (r.prompt_tokens + r.generated for r in list(self.running))
+        return sum(math.ceil(n / self.block_size) for n in held)
+
     def step_s(self, admitted: list[Request], decoding: list[Request]) -> float:
         c = self.coefficients
         held = [r.prompt_tokens + r.generated for r in admitted + decoding]
@@ -121,13 +126,20 @@ class Engine:
                     request.tokens.put(None)
 
 
-def metrics_text(block_size: int, running: int, waiting: int = 0) -> str:
+def metrics_text(
+    block_size: int, running: int, waiting: int = 0, used_blocks: int = 0, num_blocks: int = 4096
+) -> str:
     """One scrape, in vLLM's names, with three finished requests of 10, 100 and 1000
     prompt tokens and 20 output tokens each."""
     labels = 'engine="0",model_name="fake"'
+    info = f'block_size="{block_size}",cache_dtype="auto",engine="0",num_gpu_blocks="{num_blocks}"'
     lines = [
         "# TYPE vllm:cache_config_info gauge",
-        f'vllm:cache_config_info{{block_size="{block_size}",cache_dtype="auto",engine="0"}} 1.0',
+        f"vllm:cache_config_info{{{info}}} 1.0",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        f"vllm:kv_cache_usage_perc{{{labels}}} {used_blocks / num_blocks}",
+        "# TYPE vllm:num_preemptions counter",
+        f"vllm:num_preemptions_total{{{labels}}} 0.0",
         "# TYPE vllm:num_requests_running gauge",
         f"vllm:num_requests_running{{{labels}}} {running}.0",
         "# TYPE vllm:num_requests_waiting gauge",
@@ -189,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             elif self.path == "/metrics":
                 busy = time.monotonic() - started < args.busy_for
                 running, waiting = engine.in_flight()
-                self._answer(200, metrics_text(args.block_size, running + int(busy), waiting))
+                text = metrics_text(
+                    args.block_size, running + int(busy), waiting, engine.used_blocks()
+                )
+                self._answer(200, text)
             elif self.path == "/version":
                 self._answer(200, json.dumps({"version": "0.0.0+fake"}))
             elif self.path == "/v1/models":

@@ -97,14 +97,15 @@ def vllm_model_folder(args: argparse.Namespace) -> Path:
 
 def vllm_setup(args: argparse.Namespace) -> tuple[str, Path, Path]:
     """(command template, model folder, log folder) from the options; `ValueError` for a
-    missing venv or model where the default command needs them."""
+    missing venv or model where the default command needs them (a command given serves
+    what it names)."""
     from blocktune.tuner.measure.vllm_server import default_vllm_command
 
     model = vllm_model_folder(args)
-    if not (model / "config.json").is_file():
-        raise ValueError(f"{model}: no Hugging Face model folder (config.json); give --model")
     template = args.vllm_command
     if template is None:
+        if not (model / "config.json").is_file():
+            raise ValueError(f"{model}: no Hugging Face model folder (config.json); give --model")
         venv = _venv(args)
         if not (venv / "bin" / "python").exists():
             raise ValueError(

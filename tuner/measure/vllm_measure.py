@@ -149,7 +149,10 @@ class VllmClient:
 
     def __init__(self, url: str, vocab_size: int, *, seed: int = 0) -> None:
         self.url = url
-        self._http = httpx.Client(timeout=REQUEST_TIMEOUT_S)
+        # every request of a batch or a replay streams at once: no pool limit delays one
+        self._http = httpx.Client(
+            timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=None)
+        )
         self._rng = np.random.default_rng(seed)
         self._vocab = vocab_size
         models = self._http.get(f"{url}/v1/models")
