@@ -88,6 +88,7 @@ def write_inputs(tmp_path: Path) -> tuple[Path, Path, Path]:
     return calibration_file, policy_file, trace_file
 
 
+@pytest.mark.slow  # starts the fake vLLM
 def test_validate_engine_vllm_prints_the_table_and_matches_the_fake(tmp_path, capsys):
     calibration, policy, trace = write_inputs(tmp_path)
     args = ["validate", str(trace), "--engine", "vllm", "--policy", str(policy)]

@@ -124,6 +124,7 @@ def test_the_model_shape_comes_from_the_folders_config(tmp_path):
         hf_engine_model(tmp_path / "smollm2", "smollm2", "float32")
 
 
+@pytest.mark.slow  # starts the fake vLLM
 def test_a_refused_block_size_names_vllms_error(tmp_path):
     server = VllmServer(fake_template(), 16, tmp_path / "b16.log", start_timeout_s=20)
     with pytest.raises(VllmStartError, match=r"No common block size for 16 .*b16.log"):
@@ -131,6 +132,7 @@ def test_a_refused_block_size_names_vllms_error(tmp_path):
     assert "$ " in (tmp_path / "b16.log").read_text()
 
 
+@pytest.mark.slow  # starts the fake vLLM
 def test_calibrate_engine_vllm_recovers_the_fakes_step_coefficients(tmp_path, capsys):
     out = tmp_path / "vllm.yaml"
     code = main(
