@@ -16,7 +16,11 @@ come out of a batch (`TimedStep`, the simulator's features):
   tokens, its features those of the segment's middle step (each request then
   holds its prompt and the tokens before that step).
 
-`fit_steps` fits `STEP_FORM` to all of them jointly across block sizes. The
+`fit_steps` fits `STEP_FORM` to all of them jointly across block sizes. One
+server runs at a time, so the sizes are timed one after the other, and a load
+that changes between them can pass for a block-size effect (a per-size term
+counts only beyond `SIGNIFICANCE_SE` standard errors; the residuals tell how
+steady the machine was). The
 calibration names the device as vLLM's platform with the vLLM version and
 attention backend; its kernel, host and bandwidth sections are the analytic
 model's (vLLM's kernels are not timed one by one; sizes beyond the analytic
@@ -169,7 +173,9 @@ class VllmClient:
     def prompt(self, tokens: int) -> list[int]:
         return self._rng.integers(TOKEN_ID_LOW, self._vocab, tokens).tolist()
 
-    def stream(self, prompt: list[int], max_tokens: int, *, at_s: float | None = None):
+    def stream(
+        self, prompt: list[int], max_tokens: int, *, at_s: float | None = None
+    ) -> StreamedRequest:
         """Send one completion (at monotonic time `at_s`, else now) and stamp its tokens."""
         if at_s is not None:
             time.sleep(max(0.0, at_s - time.monotonic()))
@@ -198,7 +204,7 @@ class VllmClient:
             raise ValueError(f"{self.url} streamed no tokens for a {len(prompt)}-token prompt")
         return StreamedRequest(sent, tuple(stamps))
 
-    def batch(self, batch_size: int, prompt_tokens: int, max_tokens: int) -> list:
+    def batch(self, batch_size: int, prompt_tokens: int, max_tokens: int) -> list[StreamedRequest]:
         """`batch_size` concurrent streams of `prompt_tokens`-token prompts."""
         prompts = [self.prompt(prompt_tokens) for _ in range(batch_size)]
         with ThreadPoolExecutor(batch_size) as pool:
@@ -256,6 +262,7 @@ def timed_steps(
                 padded_tokens=n * middle,
             )
         )
+    # a segment whose tokens all came in one chunk timed nothing
     return [s for s in steps if s.seconds > 0]
 
 
@@ -273,7 +280,7 @@ def measure_vllm_calibration(
     """Time `grid` on vLLM servers started from `template` (one per block size) and fit the
     step form (module doc). Raises `VllmStartError` when a server does not come up."""
     steps: list[TimedStep] = []
-    engines: dict[int, tuple[str | None, str | None, str]] = {}
+    engine_info: tuple[str | None, str | None, str] | None = None  # the first server's
     torch_version = None
     for block_size in grid.block_sizes:
         progress(f"B={block_size}: starting vLLM")
@@ -297,11 +304,11 @@ def measure_vllm_calibration(
                             max_batched_tokens=grid.max_batched_tokens,
                         )
                 progress(f"B={block_size}: {len(steps)} timed steps so far")
-                engines[block_size] = (*server.engine_info(), client.version())
+                engine_info = engine_info or (*server.engine_info(), client.version())
             finally:
                 client.close()
     fit = fit_steps(steps)
-    platform, backend, version = engines[grid.block_sizes[0]]
+    platform, backend, version = engine_info
     backend_name = f"vLLM {version}" + ("" if backend is None else f", {backend}")
     device = f"{platform or 'unknown platform'} ({backend_name})"
     provenance = Provenance(
