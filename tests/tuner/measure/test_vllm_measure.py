@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.config.calibration import load_calibration
+from blocktune.tuner.config.calibration import load_calibration, prefill_pairs
 from blocktune.tuner.measure.step_fit import TimedStep, fit_steps, predict_step_s
 from blocktune.tuner.measure.vllm_measure import (
     SEGMENT_TOKENS,
@@ -176,11 +176,21 @@ def test_calibrate_engine_vllm_recovers_the_fakes_step_coefficients(tmp_path, ca
     for n, context in ((1, 64), (4, 512)):
         step = TimedStep(32, n, n * context, 0, 0, 1.0, padded_tokens=n * context)
         assert predict_step_s(fitted, step) == pytest.approx(true_step(step), rel=0.4)
-    # the slopes per context token and per prompt token are the fake's (a prefill's first
-    # token also waits for the step running when it arrives: per_admission_s takes that)
+    # the slope per context token is the fake's
     slope = fitted.per_token_s + fitted.per_padded_token_s + fitted.per_block_s / 32
     assert slope == pytest.approx(TRUE["per_token_s"], rel=0.4)
-    assert fitted.prefill_s_per_token == pytest.approx(TRUE["prefill_s_per_token"], rel=0.4)
+    # and so is the time the grid's prefills take together; how it splits between the
+    # per-token, per-pair and per-admission terms is not identified by two prompt lengths
+    # (a prefill's first token also waits for the step running when it arrives)
+    prompts = (64, 512)
+    fitted_prefill = sum(
+        fitted.prefill_s_per_token * p
+        + fitted.prefill_s_per_pair * prefill_pairs(0, p)
+        + fitted.per_admission_s
+        for p in prompts
+    )
+    true_prefill = TRUE["prefill_s_per_token"] * sum(prompts)
+    assert fitted_prefill == pytest.approx(true_prefill, rel=0.4)
 
 
 def test_calibrate_engine_vllm_refuses_flags_of_the_other_engine(tmp_path, capsys):
