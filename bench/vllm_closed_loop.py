@@ -34,6 +34,7 @@ import numpy as np
 
 from blocktune.tuner.config.calibration import load_calibration
 from blocktune.tuner.config.policy import Policy
+from blocktune.tuner.measure.vllm_server import vllm_server_argv
 from blocktune.tuner.operations import free_port
 from blocktune.tuner.sidecar.sidecar import Sidecar
 
@@ -50,28 +51,10 @@ SMOLLM2_SHAPE = {
 
 
 def vllm_command(venv: Path, port: int, kv_bytes: int) -> list[str]:
-    return [
-        str(venv / "bin" / "python"),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(venv / "models" / "SmolLM2-135M-Instruct"),
-        "--served-model-name",
-        "smollm2",
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "2048",
-        "--kv-cache-memory-bytes",
-        str(kv_bytes),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--block-size",
-        "{block_size}",
-    ]
+    """vLLM serving SmolLM2 as `smollm2` on `port` with a KV cache of `kv_bytes`."""
+    model = venv / "models" / "SmolLM2-135M-Instruct"
+    extra = ["--kv-cache-memory-bytes", str(kv_bytes)]
+    return vllm_server_argv(venv, model, port=str(port), served_model_name="smollm2", extra=extra)
 
 
 def policy_for(

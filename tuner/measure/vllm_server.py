@@ -46,29 +46,45 @@ class VllmStartError(RuntimeError):
     """A vLLM server that exited or did not answer /health in time (the message says why)."""
 
 
+def vllm_server_argv(
+    venv: Path,
+    model: Path,
+    *,
+    dtype: str = "float32",
+    max_model_len: int = 2048,
+    port: str = PORT_PLACEHOLDER,
+    served_model_name: str | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The argv of vLLM's OpenAI server from `venv` (its `vllm` command cannot always find
+    its own metadata, `python -m` works), on 127.0.0.1, eager, `--block-size` left as the
+    template's placeholder; `extra` goes before it."""
+    named = [] if served_model_name is None else ["--served-model-name", served_model_name]
+    return [
+        str(venv / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        *named,
+        "--dtype",
+        dtype,
+        "--enforce-eager",
+        "--max-model-len",
+        str(max_model_len),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        *extra,
+        "--block-size",
+        BLOCK_SIZE_PLACEHOLDER,
+    ]
+
+
 def default_vllm_command(venv: Path, model: Path, dtype: str, max_model_len: int) -> str:
-    """vLLM's OpenAI server from `venv` (its `vllm` command cannot always find its own
-    metadata, `python -m` works), on 127.0.0.1, eager, with the template's placeholders."""
-    return shlex.join(
-        [
-            str(venv / "bin" / "python"),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--dtype",
-            dtype,
-            "--enforce-eager",
-            "--max-model-len",
-            str(max_model_len),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            PORT_PLACEHOLDER,
-            "--block-size",
-            BLOCK_SIZE_PLACEHOLDER,
-        ]
-    )
+    """`vllm_server_argv` as one command template, `{port}` and `{block_size}` in it."""
+    return shlex.join(vllm_server_argv(venv, model, dtype=dtype, max_model_len=max_model_len))
 
 
 class VllmServer:
