@@ -179,18 +179,16 @@ def test_calibrate_engine_vllm_recovers_the_fakes_step_coefficients(tmp_path, ca
     # the slope per context token is the fake's
     slope = fitted.per_token_s + fitted.per_padded_token_s + fitted.per_block_s / 32
     assert slope == pytest.approx(TRUE["per_token_s"], rel=0.4)
-    # and so is the time the grid's prefills take together; how it splits between the
-    # per-token, per-pair and per-admission terms is not identified by two prompt lengths
-    # (a prefill's first token also waits for the step running when it arrives)
-    prompts = (64, 512)
-    fitted_prefill = sum(
-        fitted.prefill_s_per_token * p
-        + fitted.prefill_s_per_pair * prefill_pairs(0, p)
-        + fitted.per_admission_s
-        for p in prompts
-    )
-    true_prefill = TRUE["prefill_s_per_token"] * sum(prompts)
-    assert fitted_prefill == pytest.approx(true_prefill, rel=0.4)
+
+    # and so is what a longer prompt adds to its prefill; how that splits between the
+    # per-token and per-pair terms two prompt lengths do not identify, and a prefill's first
+    # token also waits for the step running when it arrives (per_admission_s takes that)
+    def prefill_s(prompt: int) -> float:
+        pairs = prefill_pairs(0, prompt)
+        return fitted.prefill_s_per_token * prompt + fitted.prefill_s_per_pair * pairs
+
+    longer = prefill_s(512) - prefill_s(64)
+    assert longer == pytest.approx(TRUE["prefill_s_per_token"] * (512 - 64), rel=0.4)
 
 
 def test_calibrate_engine_vllm_refuses_flags_of_the_other_engine(tmp_path, capsys):
