@@ -83,6 +83,8 @@ __all__ = [
     "Forecaster",
     "ServingMetrics",
     "noise_interval",
+    "offered_tokens_per_s",
+    "window_rate_scale",
 ]
 
 FORECAST_REQUESTS = 128
@@ -122,6 +124,9 @@ BOOTSTRAP_SEED = 0
 
 INTERVAL_QUANTILES = (0.1, 0.9)
 """The quantiles of the resampled values that bound a reported interval."""
+
+MARGIN_STEP_LIMIT = 2.0
+"""The largest first step of a search that the SLO margin may suggest (see `_slope`)."""
 
 MARGIN_FLOOR = 1e-9
 """The smallest p99-over-limit ratio a margin takes (a run of no latency has a finite log)."""
@@ -264,6 +269,24 @@ class Forecast:
         return np.array([e.value(quantity) for e in self.resampled])
 
 
+def offered_tokens_per_s(arrival_s: np.ndarray, output_tokens: np.ndarray) -> float:
+    """The output tokens per second that requests arriving at `arrival_s` (sorted) offer: all
+    but the last one's over the span of their arrivals (inf where they span no time)."""
+    span = float(arrival_s[-1] - arrival_s[0])
+    return float(np.sum(output_tokens[:-1])) / span if span > 0 else math.inf
+
+
+def window_rate_scale(arrival_s: np.ndarray, output_tokens: np.ndarray, latest: int) -> float:
+    """The factor that makes the `latest` requests' gaps offer the output tokens per second of
+    all the requests (`arrival_s` sorted): the sample's offered rate over the window's. A
+    bursty trace's last seconds can arrive far slower or faster than its window does."""
+    window = offered_tokens_per_s(arrival_s, output_tokens)
+    sample = offered_tokens_per_s(arrival_s[-latest:], output_tokens[-latest:])
+    if not (math.isfinite(window) and math.isfinite(sample) and window > 0):
+        return 1.0
+    return sample / window
+
+
 def noise_interval(values: np.ndarray, point: float) -> tuple[float, float]:
     """The `INTERVAL_QUANTILES` range of the resampled `values`, widened to hold the sample's
     own `point` estimate (a heavy-tailed sample, whose p99 rests on one or two requests, can
@@ -314,19 +337,31 @@ class Forecaster:
         self.policy = policy
         self.server = StepCostModel(policy, calibration)
 
-    def workload_of(self, snapshot: WindowSnapshot) -> Workload | None:
+    def workload_of(
+        self, snapshot: WindowSnapshot, *, at_window_rate: bool = False
+    ) -> Workload | None:
         """The window's latest `FORECAST_REQUESTS` requests as a workload, arriving at their
         recorded times (less those no pool could hold), or None without two of them over a
-        time span."""
-        order = np.argsort(snapshot.timestamps, kind="stable")[-FORECAST_REQUESTS:]
-        stamps = snapshot.timestamps[order]
+        time span. With `at_window_rate` their gaps are scaled so that they offer the whole
+        window's output tokens per second (see `window_rate_scale`): load multiples then
+        count in the window's load, not the sample's."""
+        order = np.argsort(snapshot.timestamps, kind="stable")
+        sample = order[-FORECAST_REQUESTS:]
+        stamps = snapshot.timestamps[sample]
         if len(stamps) < 2 or not stamps[-1] > stamps[0]:
             return None
+        scale = 1.0
+        if at_window_rate:
+            scale = window_rate_scale(
+                snapshot.timestamps[order],
+                np.maximum(snapshot.output_tokens[order], 1),
+                len(sample),
+            )
         fits = min(self.server.capacity_slots(b) for b in self.policy.candidates)
         workload = Workload.of_lengths(
-            stamps - stamps[0],
-            np.maximum(snapshot.prompt_tokens[order], 1),
-            np.maximum(snapshot.output_tokens[order], 1),
+            (stamps - stamps[0]) * scale,
+            np.maximum(snapshot.prompt_tokens[sample], 1),
+            np.maximum(snapshot.output_tokens[sample], 1),
         ).without_longer_than(fits)
         return workload if len(workload) >= 2 else None
 
@@ -481,10 +516,11 @@ class Forecaster:
     ) -> float:
         """The capacity of `block_size` on `workload`: bracketed from `guess` by steps of
         `step` (at least as far as the SLO margin at `guess` over its `slope` per unit of log
-        load, where given; squared at every further step) within `CAPACITY_RANGE`, then narrowed to
-        `tolerance`, or to `far_share` of the bracket's distance from `guess` where that is
-        coarser, and only to `SETTLED_TOLERANCE` once it is known to be at most `settle_at`.
-        `known` are its runs at the observed and the headroom load."""
+        load, where given, up to `MARGIN_STEP_LIMIT`; squared at every further step) within
+        `CAPACITY_RANGE`, then narrowed to `tolerance`, or to `far_share` of the bracket's
+        distance from `guess` where that is coarser, and only to `SETTLED_TOLERANCE` once it
+        is known to be at most `settle_at`. `known` are its runs at the observed and the
+        headroom load."""
         low_limit, high_limit = CAPACITY_RANGE
         meets = _Meets(self, workload, block_size, sustained)
         if known is not None:
@@ -493,7 +529,8 @@ class Forecaster:
         guess = min(max(guess, low_limit), high_limit)
         passed = meets(guess)
         if slope is not None and guess in meets.margins:
-            step = max(step, math.exp(abs(meets.margins[guess]) / slope))
+            suggested = min(abs(meets.margins[guess]) / slope, math.log(MARGIN_STEP_LIMIT))
+            step = max(step, math.exp(suggested))
         if passed:
             low, high = guess, min(guess * step, high_limit)
             while meets(high):

