@@ -602,7 +602,7 @@ def _slope(runs: tuple[ServingMetrics, ServingMetrics], policy: Policy) -> float
     observed and at the headroom load (None where it does not grow): a chord, so at most the
     slope near the capacity, and a step it suggests overshoots rather than falls short."""
     rise = _margin(runs[1], policy.slo) - _margin(runs[0], policy.slo)
-    return rise / math.log(policy.headroom) if rise > 0 else None
+    return rise / math.log(policy.headroom) if rise > 0 and policy.headroom > 1 else None
 
 
 def _margin(metrics: ServingMetrics, slo: SloSettings) -> float:

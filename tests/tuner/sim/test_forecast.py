@@ -102,6 +102,18 @@ def test_every_capacity_is_bisected_well_under_min_gain(window):
     assert challenger.block_size == 8
 
 
+def test_a_headroom_of_one_still_forecasts():
+    """With `headroom: 1` the observed and the headroom runs are the same load, so they give
+    no slope to step by; the searches still find every capacity the default headroom does
+    (within the search's tolerances)."""
+    forecaster = Forecaster(TIGHT.model_copy(update={"headroom": 1.0}), ANALYTIC)
+    workload = promo_workload(forecaster)
+    capacities = {f.block_size: f.capacity for f in forecaster.forecast(workload, 16, (8, 16))}
+    default = Forecaster(TIGHT, ANALYTIC)
+    expected = {f.block_size: f.capacity for f in default.forecast(workload, 16, (8, 16))}
+    assert capacities == pytest.approx(expected, rel=CHALLENGER_TOLERANCE)
+
+
 def test_intervals_come_from_resamples_of_the_window_and_repeat_exactly():
     """The size in force and its challenger are forecast again on every bootstrap resample;
     each capacity's interval holds its own estimate; the same window gives the same intervals."""
