@@ -28,7 +28,9 @@ def recommend(
 ) -> tuple[Decision, WindowSnapshot, int]:
     """The selector's decision for the requests of `frame` (arrival_s, prompt_tokens,
     output_tokens, optional prefix_group), all of them or the `last` ones, with the
-    number of requests left out because no candidate's KV pool could ever hold them."""
+    number of requests left out because no candidate's KV pool could ever hold them. The
+    forecast's sample (the selection's latest requests) is replayed at the whole selection's
+    rate, so a capacity is a multiple of the selection's load (the one a check replays)."""
     rows = frame if last is None else frame.tail(last)
     if rows.empty:
         raise RecommendError("the trace selection holds no requests")
@@ -49,5 +51,7 @@ def recommend(
         prefix_groups=groups,
     )
     snapshot = window.snapshot()
-    decision = Selector(policy, calibration).decide(snapshot, current_block_size, now=0.0)
+    decision = Selector(policy, calibration).decide(
+        snapshot, current_block_size, now=0.0, at_window_rate=True
+    )
     return decision, snapshot, int((~keep).sum())

@@ -196,18 +196,27 @@ class Selector:
         return decision, in_force
 
     def decide(
-        self, snapshot: WindowSnapshot, current_block_size: int, *, now: float | None = None
+        self,
+        snapshot: WindowSnapshot,
+        current_block_size: int,
+        *,
+        now: float | None = None,
+        at_window_rate: bool = False,
     ) -> Decision:
-        """The decision for the next interval, given the engine's current block size."""
+        """The decision for the next interval, given the engine's current block size. With
+        `at_window_rate` the forecast's sample is replayed at the whole window's rate
+        (`Forecaster.workload_of`), so capacities are multiples of the window's load."""
         if not is_power_of_two(current_block_size):
             raise InvalidBlockSize(
                 f"current block size must be a power of two, got {current_block_size!r}"
             )
         now = self._clock() if now is None else now
         with self._lock:
-            return self._decide(snapshot, current_block_size, now)
+            return self._decide(snapshot, current_block_size, now, at_window_rate)
 
-    def _decide(self, snapshot: WindowSnapshot, current: int, now: float) -> Decision:
+    def _decide(
+        self, snapshot: WindowSnapshot, current: int, now: float, at_window_rate: bool
+    ) -> Decision:
         policy, model = self.policy, self.cost_model
         prompts, outputs = snapshot.prompt_tokens, snapshot.output_tokens
         generated = int(outputs.sum())
@@ -250,7 +259,7 @@ class Selector:
                 f"candidate B={best}"
             )
             return Decision(best, prior, switch=True, reason=reason, material=True, **base)
-        workload = self.forecaster.workload_of(snapshot)
+        workload = self.forecaster.workload_of(snapshot, at_window_rate=at_window_rate)
         if workload is None:
             reason = f"the window's requests span no time, so no load to forecast: keep B={current}"
             return Decision(current, prior, switch=False, reason=reason, **base)

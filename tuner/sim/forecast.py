@@ -21,13 +21,23 @@ quartile of completions, away from the first admissions and the last
 stragglers, each request's tokens spread evenly over its decode. Above it the
 queue grows, so no multiple above it counts as within the SLO.
 
-Every candidate's capacity is bisected finely, so that no gain comes from the
+Every candidate's capacity is searched finely, so that no gain comes from the
 search's own resolution: the size in force first, to `CAPACITY_TOLERANCE`
 (0.2%, a tenth of the default `min_gain`), then every other size from a
 bracket around it, to `CHALLENGER_TOLERANCE` (0.5%, or `FAR_SHARE` of its
-distance from the size in force's capacity where coarser). Capacities are
-monotone in the load multiple for this simulator (more load never serves
-faster), which is what the bisection relies on.
+distance from the size in force's capacity where coarser). The others are
+searched in the order of their sustained loads, and where candidates are
+ranked on capacity one found to be below a challenger already searched (it
+can be neither the strongest challenger nor ranked against the size in
+force) only to `SETTLED_TOLERANCE`. A
+search brackets the capacity by steps from its guess (at least as far as the
+SLO margin there suggests, see `_slope`) and narrows the bracket where the
+SLO margin, interpolated between its ends, crosses zero (`_narrow`, bisection
+where that does not converge); a capacity the sustained load bounds is that
+load exactly. Capacities are taken as monotone in the load multiple (more
+load never serves faster), which is what the search relies on; for a sample
+of 128 requests a p99 is not strictly so, so a reported capacity is a load
+that passes with a failing one within the tolerance above it.
 
 **Noise.** A sample of 128 requests is one draw of the traffic: the next
 window's capacities differ by a few percent although nothing changed. The
@@ -37,10 +47,12 @@ prompt and output lengths) with replacement onto the sample's own arrival
 times, from a fixed seed (the same window always gives the same answer). The
 arrival times are kept because a burst is what a TTFT p99 measures: gaps drawn
 independently smooth the bursts away and overstate every capacity. Each resample is
-forecast again (capacity to `RESAMPLE_TOLERANCE`, from a bracket around the
-candidate's own capacity; its saturated token rate; its TTFT p99 at headroom),
-every candidate on the same resamples, so that a comparison of two sizes is
-paired. `Forecast.capacity_interval` is the `INTERVAL_QUANTILES` range of a
+forecast again (capacity to `RESAMPLE_TOLERANCE`, the size in force's from
+its capacity on the sample, the challenger's from the size in force's on the
+same resample times their ratio on the sample, by steps of that tolerance; its
+saturated token rate; its TTFT p99 at headroom), every candidate on the same
+resamples, so that a comparison of two sizes is paired.
+`Forecast.capacity_interval` is the `INTERVAL_QUANTILES` range of a
 candidate's resampled capacities; the selector takes the same range of the
 per-resample gains for `gain_interval`.
 """
@@ -71,6 +83,8 @@ __all__ = [
     "Forecaster",
     "ServingMetrics",
     "noise_interval",
+    "offered_tokens_per_s",
+    "window_rate_scale",
 ]
 
 FORECAST_REQUESTS = 128
@@ -90,6 +104,10 @@ FAR_SHARE = 1 / 8
 """A challenger whose capacity is bracketed a distance d (log ratio) away from the size in
 force's is bisected only to d x this: its ranking against the size in force is settled."""
 
+SETTLED_TOLERANCE = 0.05
+"""Relative width to which a challenger's capacity is narrowed once it is known to be below
+another challenger's: it is neither the strongest challenger nor reported as one."""
+
 RESAMPLE_TOLERANCE = 0.03
 """Relative width to which a capacity is bisected on a bootstrap resample."""
 
@@ -106,6 +124,12 @@ BOOTSTRAP_SEED = 0
 
 INTERVAL_QUANTILES = (0.1, 0.9)
 """The quantiles of the resampled values that bound a reported interval."""
+
+MARGIN_STEP_LIMIT = 2.0
+"""The largest first step of a search that the SLO margin may suggest (see `_slope`)."""
+
+MARGIN_FLOOR = 1e-9
+"""The smallest p99-over-limit ratio a margin takes (a run of no latency has a finite log)."""
 
 SATURATION_FILLS = 4
 """How many times over a saturation run's requests fill the pool or batch (see the module
@@ -245,6 +269,24 @@ class Forecast:
         return np.array([e.value(quantity) for e in self.resampled])
 
 
+def offered_tokens_per_s(arrival_s: np.ndarray, output_tokens: np.ndarray) -> float:
+    """The output tokens per second that requests arriving at `arrival_s` (sorted) offer: all
+    but the last one's over the span of their arrivals (inf where they span no time)."""
+    span = float(arrival_s[-1] - arrival_s[0])
+    return float(np.sum(output_tokens[:-1])) / span if span > 0 else math.inf
+
+
+def window_rate_scale(arrival_s: np.ndarray, output_tokens: np.ndarray, latest: int) -> float:
+    """The factor that makes the `latest` requests' gaps offer the output tokens per second of
+    all the requests (`arrival_s` sorted): the sample's offered rate over the window's. A
+    bursty trace's last seconds can arrive far slower or faster than its window does."""
+    window = offered_tokens_per_s(arrival_s, output_tokens)
+    sample = offered_tokens_per_s(arrival_s[-latest:], output_tokens[-latest:])
+    if not (math.isfinite(window) and math.isfinite(sample) and window > 0):
+        return 1.0
+    return sample / window
+
+
 def noise_interval(values: np.ndarray, point: float) -> tuple[float, float]:
     """The `INTERVAL_QUANTILES` range of the resampled `values`, widened to hold the sample's
     own `point` estimate (a heavy-tailed sample, whose p99 rests on one or two requests, can
@@ -295,19 +337,31 @@ class Forecaster:
         self.policy = policy
         self.server = StepCostModel(policy, calibration)
 
-    def workload_of(self, snapshot: WindowSnapshot) -> Workload | None:
+    def workload_of(
+        self, snapshot: WindowSnapshot, *, at_window_rate: bool = False
+    ) -> Workload | None:
         """The window's latest `FORECAST_REQUESTS` requests as a workload, arriving at their
         recorded times (less those no pool could hold), or None without two of them over a
-        time span."""
-        order = np.argsort(snapshot.timestamps, kind="stable")[-FORECAST_REQUESTS:]
-        stamps = snapshot.timestamps[order]
+        time span. With `at_window_rate` their gaps are scaled so that they offer the whole
+        window's output tokens per second (see `window_rate_scale`): load multiples then
+        count in the window's load, not the sample's."""
+        order = np.argsort(snapshot.timestamps, kind="stable")
+        sample = order[-FORECAST_REQUESTS:]
+        stamps = snapshot.timestamps[sample]
         if len(stamps) < 2 or not stamps[-1] > stamps[0]:
             return None
+        scale = 1.0
+        if at_window_rate:
+            scale = window_rate_scale(
+                snapshot.timestamps[order],
+                np.maximum(snapshot.output_tokens[order], 1),
+                len(sample),
+            )
         fits = min(self.server.capacity_slots(b) for b in self.policy.candidates)
         workload = Workload.of_lengths(
-            stamps - stamps[0],
-            np.maximum(snapshot.prompt_tokens[order], 1),
-            np.maximum(snapshot.output_tokens[order], 1),
+            (stamps - stamps[0]) * scale,
+            np.maximum(snapshot.prompt_tokens[sample], 1),
+            np.maximum(snapshot.output_tokens[sample], 1),
         ).without_longer_than(fits)
         return workload if len(workload) >= 2 else None
 
@@ -339,7 +393,7 @@ class Forecaster:
             start_s, end_s = 0.0, run.end_s
         served = _tokens_between(run, saturated.output_tokens, start_s, end_s) / (end_s - start_s)
         offered = float(np.mean(workload.output_tokens)) * (len(workload) - 1) / span
-        return served / offered, served
+        return float(served / offered), float(served)
 
     def resamples(self, workload: Workload) -> list[Workload]:
         """`BOOTSTRAP_RESAMPLES` bootstrap resamples of `workload`: its requests (their prompt
@@ -368,6 +422,7 @@ class Forecaster:
             for b in block_sizes
         }
         saturated = {b: self._saturated(workload, b) for b in block_sizes}
+        slopes = {b: _slope(runs[b], policy) for b in block_sizes}
         observed, at_headroom = runs[current]
         start = 0.5
         if observed.meets(policy.slo):
@@ -376,22 +431,28 @@ class Forecaster:
             workload, current, saturated[current][0], start, 2.0, known=runs[current]
         )
         capacities = {current: reference}
-        for b in block_sizes:
-            if b != current:
-                capacities[b] = self._search(
-                    workload,
-                    b,
-                    saturated[b][0],
-                    reference,
-                    BRACKET_STEP,
-                    CHALLENGER_TOLERANCE,
-                    known=runs[b],
-                    far_share=FAR_SHARE,
-                )
+        settle_at = -math.inf  # the best challenger's capacity so far (on capacity only)
+        others = sorted(set(block_sizes) - {current}, key=lambda b: (-saturated[b][0], b))
+        for b in others:
+            capacities[b] = self._search(
+                workload,
+                b,
+                saturated[b][0],
+                reference,
+                BRACKET_STEP,
+                CHALLENGER_TOLERANCE,
+                known=runs[b],
+                far_share=FAR_SHARE,
+                settle_at=settle_at
+                if ranked_quantity(policy.goal, reference) == "capacity"
+                else -math.inf,
+            )
+            if b in policy.candidates:
+                settle_at = max(settle_at, capacities[b])
         point = {b: Forecast(b, *runs[b], capacities[b], saturated[b][1]) for b in block_sizes}
         quantity = ranked_quantity(policy.goal, reference)
         pair = contenders(list(point.values()), current, quantity, policy.candidates)
-        resampled = self._resampled(workload, pair, capacities)
+        resampled = self._resampled(workload, pair, capacities, slopes)
         relative = np.array([e.capacity for e in resampled[current]]) / reference
         out = []
         for b, forecast in point.items():
@@ -405,7 +466,11 @@ class Forecaster:
         return out
 
     def _resampled(
-        self, workload: Workload, sizes: tuple[int, ...], capacities: dict[int, float]
+        self,
+        workload: Workload,
+        sizes: tuple[int, ...],
+        capacities: dict[int, float],
+        slopes: dict[int, float | None],
     ) -> dict[int, list[Estimate]]:
         """Each of `sizes` estimated again on every bootstrap resample, the first of them (the
         size in force) from its own capacity, the others from the first's capacity on the same
@@ -416,9 +481,13 @@ class Forecaster:
             anchor = capacities[first]
             for b in sizes:
                 sustained, tokens_per_s = self._saturated(sample, b)
-                guess = capacities[b] if b == first else anchor * capacities[b] / capacities[first]
+                if b == first:
+                    guess, step = capacities[b], BRACKET_STEP
+                else:  # paired: the ratio on the sample is the likeliest on the resample
+                    guess = anchor * capacities[b] / capacities[first]
+                    step = 1 + RESAMPLE_TOLERANCE
                 capacity = self._search(
-                    sample, b, sustained, guess, BRACKET_STEP, RESAMPLE_TOLERANCE
+                    sample, b, sustained, guess, step, RESAMPLE_TOLERANCE, slope=slopes[b]
                 )
                 if b == first:
                     anchor = capacity
@@ -442,20 +511,27 @@ class Forecaster:
         tolerance: float = CAPACITY_TOLERANCE,
         known: tuple[ServingMetrics, ServingMetrics] | None = None,
         far_share: float = 0.0,
+        settle_at: float = -math.inf,
+        slope: float | None = None,
     ) -> float:
         """The capacity of `block_size` on `workload`: bracketed from `guess` by steps of
-        `step` (squared at every further step) within `CAPACITY_RANGE`, then bisected to
-        `tolerance`, or to `far_share` of the bracket's distance from `guess` where that is
-        coarser. `known` are its runs at the observed and the headroom load."""
+        `step` (at least as far as the SLO margin at `guess` over its `slope` per unit of log
+        load, where given, up to `MARGIN_STEP_LIMIT`; squared at every further step) within
+        `CAPACITY_RANGE`, then narrowed to `tolerance`, or to `far_share` of the bracket's
+        distance from `guess` where that is coarser, and only to `SETTLED_TOLERANCE` once it
+        is known to be at most `settle_at`. `known` are its runs at the observed and the
+        headroom load."""
         low_limit, high_limit = CAPACITY_RANGE
         meets = _Meets(self, workload, block_size, sustained)
         if known is not None:
-            slo = self.policy.slo
-            meets.known.update(
-                {1.0: known[0].meets(slo), self.policy.headroom: known[1].meets(slo)}
-            )
+            meets.learn(1.0, known[0])
+            meets.learn(self.policy.headroom, known[1])
         guess = min(max(guess, low_limit), high_limit)
-        if meets(guess):
+        passed = meets(guess)
+        if slope is not None and guess in meets.margins:
+            suggested = min(abs(meets.margins[guess]) / slope, math.log(MARGIN_STEP_LIMIT))
+            step = max(step, math.exp(suggested))
+        if passed:
             low, high = guess, min(guess * step, high_limit)
             while meets(high):
                 if high >= high_limit:
@@ -470,19 +546,72 @@ class Forecaster:
                 high, step = low, step * step
                 low = max(high / step, low_limit)
         distance = min(abs(math.log(low / guess)), abs(math.log(high / guess)))
-        return _bisect(meets, low, high, max(tolerance, far_share * distance))
+        return _narrow(meets, low, high, max(tolerance, far_share * distance), settle_at)
 
 
-def _bisect(meets: Callable[[float], bool], low: float, high: float, tolerance: float) -> float:
-    """Bisect (geometric midpoints) between a passing `low` and a failing `high` until they are
-    within `tolerance` of one another. Returns the last passing multiple."""
-    while high / low > 1 + tolerance:
-        middle = math.sqrt(low * high)
-        if meets(middle):
-            low = middle
+def _narrow(
+    meets: _Meets,
+    low: float,
+    high: float,
+    tolerance: float,
+    settle_at: float = -math.inf,
+) -> float:
+    """Narrow a passing `low` and a failing `high` down until they are within `tolerance` of one
+    another, or of `SETTLED_TOLERANCE` once `high` is at most `settle_at`; returns the last
+    passing multiple.
+
+    An end above the sustained load fails without a run, so the sustained load itself is
+    probed first (where it passes it is the capacity). Then each probe is where the SLO margin
+    (`_margin`), interpolated linearly in the log of the load between the two ends, crosses
+    zero, kept half the tolerance inside the bracket, so that a good estimate is closed from
+    both sides in one more probe; where interpolation has not halved the bracket in two probes
+    in a row, the probe is the geometric midpoint (bisection)."""
+    if high > meets.sustained > low:
+        if meets(meets.sustained):
+            return meets.sustained  # every load above the sustained one fails
+        high = meets.sustained
+    slow = 0  # interpolated probes in a row that did not halve the bracket
+    while high / low > 1 + (tolerance if high > settle_at else max(tolerance, SETTLED_TOLERANCE)):
+        interpolated = _interpolated(meets, low, high, tolerance) if slow < 2 else None
+        probe = math.sqrt(low * high) if interpolated is None else interpolated
+        width = math.log(high / low)
+        if meets(probe):
+            low = probe
         else:
-            high = middle
+            high = probe
+        halved = math.log(high / low) <= width / 2
+        slow = slow + 1 if interpolated is not None and not halved else 0
     return low
+
+
+def _interpolated(meets: _Meets, low: float, high: float, tolerance: float) -> float | None:
+    """The load between `low` and `high` where their SLO margins, interpolated linearly in the
+    log of the load, cross zero, at least half of `tolerance` inside either end (None where an
+    end's margin is unknown or the margins do not bracket zero)."""
+    below, above = meets.margins.get(low), meets.margins.get(high)
+    if below is None or above is None or not below <= 0 < above:
+        return None
+    a, b = math.log(low), math.log(high)
+    x = a + (b - a) * (-below) / (above - below)
+    inset = math.log1p(tolerance) / 2
+    return math.exp(min(max(x, a + inset), b - inset))
+
+
+def _slope(runs: tuple[ServingMetrics, ServingMetrics], policy: Policy) -> float | None:
+    """How fast the SLO margin grows per unit of log load, between a size's runs at the
+    observed and at the headroom load (None where it does not grow): a chord, so at most the
+    slope near the capacity, and a step it suggests overshoots rather than falls short."""
+    rise = _margin(runs[1], policy.slo) - _margin(runs[0], policy.slo)
+    return rise / math.log(policy.headroom) if rise > 0 and policy.headroom > 1 else None
+
+
+def _margin(metrics: ServingMetrics, slo: SloSettings) -> float:
+    """How far a run is from the SLO: the log of its tightest p99 over its limit (at most 0
+    exactly where `ServingMetrics.meets` holds; no TPOT counts as within)."""
+    ratio = metrics.ttft_p99_s / slo.ttft_p99_s
+    if not math.isnan(metrics.tpot_p99_s):
+        ratio = max(ratio, metrics.tpot_p99_s / slo.tpot_p99_s)
+    return math.log(max(ratio, MARGIN_FLOOR))
 
 
 def _tokens_between(run: Run, outputs: np.ndarray, start_s: float, end_s: float) -> float:
@@ -507,13 +636,16 @@ class _Meets:
     workload: Workload
     block_size: int
     sustained: float
-    known: dict[float, bool] = field(default_factory=dict)
-    """Whether the SLO held at a load multiple, for the loads already served."""
+    margins: dict[float, float] = field(default_factory=dict)
+    """The SLO margin (`_margin`) at a load multiple, for the loads already served."""
 
     def __call__(self, load: float) -> bool:
         if load > self.sustained:
             return False
-        if load not in self.known:
-            metrics = self.forecaster.metrics(self.workload, self.block_size, load)
-            self.known[load] = metrics.meets(self.forecaster.policy.slo)
-        return self.known[load]
+        if load not in self.margins:
+            self.learn(load, self.forecaster.metrics(self.workload, self.block_size, load))
+        return self.margins[load] <= 0
+
+    def learn(self, load: float, metrics: ServingMetrics) -> None:
+        """Remember the margin of a run served at `load`."""
+        self.margins[load] = _margin(metrics, self.forecaster.policy.slo)

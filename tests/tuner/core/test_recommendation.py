@@ -123,7 +123,8 @@ def test_recommend_on_the_azure_conversation_trace(capsys, policy_file):
     # Overloaded: the sizes are ranked by what they still serve, their saturated token rate
     # (larger blocks a few percent more, as the replay's static runs serve 1.7% more at 64).
     assert report["ranked_by"] == "sustained tokens/s"
-    assert report["reason"].startswith("overloaded (B=16 serves 0.25x the observed load")
+    # (0.15x the hour's own rate; its last 128 requests, the forecast's sample, arrive slower)
+    assert report["reason"].startswith("overloaded (B=16 serves 0.15x the observed load")
     served = {b: c["sustained_tokens_per_s"] for b, c in costs.items()}
     assert max(served, key=served.get) in (32, 64) and served[16] < max(served.values())
     low, high = report["gain_interval"]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from blocktune.traces.loaders import load_trace
+from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.config.calibration import analytic_calibration
 from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.core.recommendation import recommend
@@ -17,7 +18,9 @@ from blocktune.tuner.sim.forecast import (
     CAPACITY_TOLERANCE,
     CHALLENGER_TOLERANCE,
     FAR_SHARE,
+    SETTLED_TOLERANCE,
     Forecaster,
+    window_rate_scale,
 )
 from blocktune.tuner.sim.window import LengthWindow
 from blocktune.tuner.sim.workload import Workload
@@ -40,25 +43,75 @@ def promo_workload(forecaster: Forecaster) -> Workload:
     return forecaster.workload_of(window.snapshot())
 
 
-def test_every_capacity_is_bisected_well_under_min_gain():
-    """The size in force to 0.2% and every other size to 0.5% (both well under the 2% min_gain),
-    or, far from the size in force, to an eighth of the distance: the SLO holds at each
-    reported capacity and fails that fraction above it, so no gain is an artefact of the
-    search."""
+def day_window_forecaster() -> tuple[Forecaster, Workload]:
+    """The customer-service policy with a 96 MiB pool and the last 1000 requests of the
+    embedded day's day phase (`bench/recommend.py`'s slowest window): capacities there are set
+    by the SLO, below the sustained loads."""
+    policy = load_policy("customer_service_llama8b").model_copy(update={"kv_budget": 96 * 2**20})
+    forecaster = Forecaster(policy, ANALYTIC)
+    day = customer_service_day(0)
+    rows = day[day.phase == "day"].tail(1000)
+    window = LengthWindow(1000)
+    window.observe_many(
+        rows.prompt_tokens.to_numpy(),
+        rows.output_tokens.to_numpy(),
+        timestamps=rows.arrival_s.to_numpy(),
+    )
+    return forecaster, forecaster.workload_of(window.snapshot())
+
+
+@pytest.mark.parametrize("window", ["promotion", "day"])
+def test_every_capacity_is_bisected_well_under_min_gain(window):
+    """The size in force to 0.2% and its strongest challenger to 0.5% (both well under the 2%
+    min_gain), or, far from the size in force, to an eighth of the distance; a size already
+    known to be below another challenger only to 5%: the SLO holds at each reported capacity
+    and (on the promotion, where it is monotone in the load) fails that fraction above it, so
+    no gain is an artefact of the search. A capacity that the sustained load bounds is that
+    load exactly. (On the day window a 128-request p99 is not monotone in the load: B=32
+    fails at 1.66x and passes again at 1.67x.)"""
     assert DEFAULT.min_gain / 10 >= CAPACITY_TOLERANCE and DEFAULT.min_gain > CHALLENGER_TOLERANCE
-    forecaster = Forecaster(TIGHT, ANALYTIC)
-    workload = promo_workload(forecaster)
-    forecasts = forecaster.forecast(workload, 16, TIGHT.candidates)
+    if window == "promotion":
+        forecaster = Forecaster(TIGHT, ANALYTIC)
+        workload = promo_workload(forecaster)
+    else:
+        forecaster, workload = day_window_forecaster()
+    candidates = forecaster.policy.candidates
+    forecasts = forecaster.forecast(workload, 16, candidates)
     reference = next(f.capacity for f in forecasts if f.block_size == 16)
+    challenger = max((f for f in forecasts if f.block_size != 16), key=lambda f: f.capacity)
+    bound_by_sustained = 0
     for forecast in forecasts:
-        distance = abs(math.log(forecast.capacity / reference))
+        size, capacity = forecast.block_size, forecast.capacity
+        distance = abs(math.log(capacity / reference))
         tolerance = max(CHALLENGER_TOLERANCE, FAR_SHARE * distance)
-        if forecast.block_size == 16:
+        if size == 16:
             tolerance = CAPACITY_TOLERANCE
-        assert CAPACITY_RANGE[0] < forecast.capacity < CAPACITY_RANGE[1]
-        assert forecaster.meets(workload, forecast.block_size, forecast.capacity)
-        above = forecast.capacity * (1 + tolerance)
-        assert not forecaster.meets(workload, forecast.block_size, above)
+        elif forecast is not challenger:
+            assert capacity < challenger.capacity
+            tolerance = max(tolerance, SETTLED_TOLERANCE)
+        assert CAPACITY_RANGE[0] < capacity < CAPACITY_RANGE[1]
+        assert forecaster.meets(workload, size, capacity)
+        if window == "promotion":
+            assert not forecaster.meets(workload, size, capacity * (1 + tolerance))
+        sustained = forecaster.sustained_load(workload, size)
+        if forecaster.meets(workload, size, sustained):
+            bound_by_sustained += 1
+            assert capacity == sustained
+    # the promotion's capacities are all its sustained loads; the day's are all below them
+    assert bound_by_sustained == (len(candidates) if window == "promotion" else 0)
+    assert challenger.block_size == 8
+
+
+def test_a_headroom_of_one_still_forecasts():
+    """With `headroom: 1` the observed and the headroom runs are the same load, so they give
+    no slope to step by; the searches still find every capacity the default headroom does
+    (within the search's tolerances)."""
+    forecaster = Forecaster(TIGHT.model_copy(update={"headroom": 1.0}), ANALYTIC)
+    workload = promo_workload(forecaster)
+    capacities = {f.block_size: f.capacity for f in forecaster.forecast(workload, 16, (8, 16))}
+    default = Forecaster(TIGHT, ANALYTIC)
+    expected = {f.block_size: f.capacity for f in default.forecast(workload, 16, (8, 16))}
+    assert capacities == pytest.approx(expected, rel=CHALLENGER_TOLERANCE)
 
 
 def test_intervals_come_from_resamples_of_the_window_and_repeat_exactly():
@@ -111,15 +164,38 @@ def test_the_reported_capacity_holds_at_0_9x_and_fails_at_1_1x_on_sharegpt():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not AZURE.exists(), reason="../shared/traces is not present")
-@pytest.mark.xfail(
-    strict=True,
-    reason="the Azure conversation trace's bursts last minutes, longer than the forecast's "
-    "128-request sample (about 25 s): the last 1000 requests meet the SLO only up to 0.52x "
-    "the capacity reported for 32 GiB",
-)
-def test_the_reported_capacity_holds_at_0_9x_on_the_azure_conversation_trace():
+def test_the_reported_capacity_holds_at_0_75x_and_fails_at_1_1x_on_the_azure_conversation_trace():
+    """The Azure conversation trace, 32 GiB of KV: its last 1000 requests arrive at 3.84 req/s,
+    their last 128 (the forecast's sample) at 2.67, so the capacity counts in the selection's
+    rate (`window_rate_scale`). Replayed at 0.75x it the window meets the SLO, at 1.1x it does
+    not. The tolerance reached is -25%/+10%: the window holds only to 0.79x, its bursts
+    lasting minutes, longer than the sample's 48 s."""
     policy = DEFAULT.model_copy(update={"kv_budget": 32 * 2**30})
     frame = load_trace(AZURE, "azure").frame.tail(CHECKABLE)
     decision, _, _ = recommend(frame, policy, ANALYTIC, current_block_size=16)
     capacity = {f.block_size: f.capacity for f in decision.forecasts}[16]
-    assert _window_meets(frame, policy, 0.9 * capacity)
+    assert _window_meets(frame, policy, 0.75 * capacity)
+    assert not _window_meets(frame, policy, 0.9 * capacity)
+    assert not _window_meets(frame, policy, 1.1 * capacity)
+
+
+def test_a_sample_is_replayed_at_the_window_rate_when_asked():
+    """900 requests a second apart, then 100 at 0.25 s, 10 output tokens each: the window
+    offers 10.8 tokens/s (999 x 10 over 924.75 s), its last 100 requests 40, so at the
+    window's rate their gaps are 3.70x as long; by default they are the recorded ones."""
+    stamps = np.concatenate([np.arange(900.0), 900 + np.arange(100) * 0.25])
+    outputs = np.full(1000, 10)
+    scale = window_rate_scale(stamps, outputs, 100)
+    window_rate = 999 * 10 / stamps[-1]
+    sample_rate = 99 * 10 / (stamps[-1] - stamps[900])
+    assert scale == pytest.approx(sample_rate / window_rate) and scale == pytest.approx(
+        3.70, abs=0.01
+    )
+    window = LengthWindow(1000)
+    window.observe_many(np.full(1000, 20), outputs, timestamps=stamps)
+    forecaster = Forecaster(DEFAULT, ANALYTIC)
+    recorded = forecaster.workload_of(window.snapshot())
+    rescaled = forecaster.workload_of(window.snapshot(), at_window_rate=True)
+    assert np.allclose(np.diff(recorded.arrival_s[-50:]), 0.25)
+    latest = window_rate_scale(stamps, outputs, len(recorded))
+    assert np.allclose(rescaled.arrival_s, recorded.arrival_s * latest)
