@@ -13,7 +13,7 @@ drifts slows every size alike instead of one size more than another. A point is
   size k and every m of `admissions` with m * k within the largest chunk, alone
   and next to a decode batch (the grid's middle n and c), `repeats` times.
 
-Every timed step is a row of its own (the fit keeps the total, and the rows'
+Every timed step is a row of its own (the fit keeps their mean, and the rows'
 spread is the calibration's step spread). A step is timed by
 `STEP_CLOCKS[clock]`: the wall clock, or the calling thread's CPU time ("cpu",
 for one torch thread on a CPU), which leaves out the time the process waits
@@ -122,8 +122,15 @@ def grid_for_lengths(
 ) -> EngineGrid:
     """`grid` with prefill chunks reaching the longest prompt and decode contexts reaching the
     longest request (`GRID_POINTS` each, geometric from the grid's shortest), every request
-    of the grid within `max_tokens` positions."""
+    of the grid within `max_tokens` positions.
+
+    Requests of more than `max_tokens` tokens are never served (the engine refuses them,
+    `blocktune validate` leaves them out), so they do not stretch the grid: timing prompts
+    longer than any served one only moves the fit away from the steps it prices."""
     room = max_tokens - 1 - (grid.longest - max(*grid.context_lens, *grid.prefill_chunks))
+    served = total_tokens <= max_tokens
+    if served.any():
+        prompt_tokens, total_tokens = prompt_tokens[served], total_tokens[served]
 
     def reaching(longest: int, shortest: int) -> tuple[int, ...]:
         top = max(shortest, min(int(longest), room))
@@ -209,7 +216,7 @@ def measure_engine(
             grid,
             "measured by `blocktune calibrate --engine` (grid points round-robin over the "
             "block sizes); fitted jointly by non-negative least squares of the relative "
-            f"error, scaled to keep the total time: {STEP_FORM}",
+            f"error, scaled so that measured / fitted is 1 on average: {STEP_FORM}",
         ),
         model=engine_model(model, name),
         threads=torch.get_num_threads(),
