@@ -225,3 +225,19 @@ def test_a_grid_fitted_to_a_trace_reaches_its_longest_served_prompt_within_the_m
     # A request longer than the model is never served: the grid does not reach for it.
     served = grid_for_lengths(grid, prompts, totals, 2048)
     assert served.prefill_chunks[-1] == 700 and served.context_lens[-1] == 900
+
+
+def test_the_grid_s_requests_hold_blocks_of_their_own():
+    """Requests sharing a prompt would share its blocks, which a decode step then reads from
+    the CPU's caches: each request of a grid point has a prompt of its own."""
+    import numpy as np
+
+    from blocktune.runtime.block_manager import blocks_for
+    from blocktune.runtime.loading import load_weights
+    from blocktune.tuner.measure import engine_measure
+
+    grid = engine_measure.default_engine_grid(quick=True, block_sizes=(8,))
+    engine = engine_measure._engine(load_weights("tiny-random", seed=0), grid, 8, "torch")
+    engine_measure._start(engine, np.random.default_rng(0), 4, 32, 2)
+    # Each holds the K/V of its 32 prompt tokens and the token it sampled gets a slot next.
+    assert engine.stats()["blocks_used"] == 4 * blocks_for(32, 8)
