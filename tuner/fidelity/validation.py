@@ -195,7 +195,8 @@ def validate(
     Requests longer than the smallest pool or the model's positions are left out.
 
     `step_s` replaces both sides' step times by a constant (a deterministic comparison
-    of their scheduling). Raises `CalibrationError` for a calibration that cannot price
+    of their scheduling). `jobs` worker processes serve the live runs at once (1: here,
+    one after another). Raises `CalibrationError` for a calibration that cannot price
     the model or a block size."""
     import torch
 
