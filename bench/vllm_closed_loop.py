@@ -1,20 +1,26 @@
 """The sidecar's closed loop against a real vLLM (the CPU build `make vllm` installs, serving
 SmolLM2): the sidecar runs vLLM as its child, reads its `/metrics`, decides, restarts it
-with the new block size, and vLLM serves again with the same greedy completions; a size the
-CPU backend refuses rolls back.
+with the block size it chose, and vLLM serves again with the same greedy completions; a
+size the CPU backend refuses rolls back.
 
-    .venv/bin/python bench/vllm_closed_loop.py [--kv-cache-mib 128] [--requests 96]
+    .venv/bin/blocktune calibrate --engine vllm --block-sizes 32 128 --out vllm-cpu.yaml
+    .venv/bin/python bench/vllm_closed_loop.py --calibration vllm-cpu.yaml
 
-The KV cache is kept small (`--kv-cache-memory-bytes`) so that the block size decides how
-many short requests fit at once: at B=128 a 36-token request holds a whole block. Each
-phase sends the same requests (`--concurrency` at a time) and reports requests/s, output
-tokens/s and latency percentiles; every vLLM start loads the model (a minute or more on a
-small CPU), so a run takes several minutes. Prints a Markdown summary.
+The KV cache is kept small (`--kv-cache-memory-bytes`, the byte-sized form of
+`VLLM_CPU_KVCACHE_SPACE`, whose smallest value is 1 GiB) so that the block size decides how
+many requests fit at once. The script sends a phase of short chat requests
+(`--concurrency` at a time) at the initial size, asks the sidecar for a decision (the
+script never picks a size), sends the same phase again at the size in force, then a phase
+of long prompts and asks again. Each phase reports requests/s, output tokens/s, goodput
+(output tokens/s of the requests that met the latency SLO) and latency percentiles; every
+vLLM start loads the model (one to several minutes on a small CPU). Prints a Markdown
+summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -26,7 +32,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from blocktune.tuner.config.calibration import load_calibration
 from blocktune.tuner.config.policy import Policy
+from blocktune.tuner.measure.vllm_server import vllm_server_argv
 from blocktune.tuner.operations import free_port
 from blocktune.tuner.sidecar.sidecar import Sidecar
 
@@ -43,47 +51,39 @@ SMOLLM2_SHAPE = {
 
 
 def vllm_command(venv: Path, port: int, kv_bytes: int) -> list[str]:
-    return [
-        str(venv / "bin" / "python"),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(venv / "models" / "SmolLM2-135M-Instruct"),
-        "--served-model-name",
-        "smollm2",
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "2048",
-        "--kv-cache-memory-bytes",
-        str(kv_bytes),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--block-size",
-        "{block_size}",
-    ]
+    """vLLM serving SmolLM2 as `smollm2` on `port` with a KV cache of `kv_bytes`."""
+    model = venv / "models" / "SmolLM2-135M-Instruct"
+    extra = ["--kv-cache-memory-bytes", str(kv_bytes)]
+    return vllm_server_argv(venv, model, port=str(port), served_model_name="smollm2", extra=extra)
 
 
 def policy_for(
-    venv: Path, port: int, kv_bytes: int, log_file: Path, calibration: str = "default"
+    venv: Path,
+    port: int,
+    kv_bytes: int,
+    log_file: Path,
+    calibration: Path,
+    initial: int,
+    slo: dict[str, float],
+    min_samples: int,
 ) -> Policy:
+    candidates = sorted(load_calibration(calibration).block_sizes)
     return Policy.model_validate(
         {
             "deployment": "vllm-cpu-smollm2",
-            "calibration": calibration,
+            "calibration": str(calibration),
             "model": SMOLLM2_SHAPE,
             "kv_budget": kv_bytes,
             "engine": "vllm",
             "vllm_backend": "CPU_ATTN",
-            "candidates": [32, 64, 128],
-            "window": {"capacity": 5000, "min_samples": 20},
-            "interval": "1h",  # this script decides when a phase is over
+            "candidates": candidates,
+            "slo": slo,
+            # the sidecar decides on its own when the window first holds min_samples
+            "window": {"capacity": 5000, "min_samples": min_samples},
+            "interval": "1h",  # later decisions when this script asks for them
             "min_dwell": "0s",
             "mode": "enforce",
-            "server": {"initial_block_size": 128},
+            "server": {"initial_block_size": initial},
             "sources": {
                 "push": False,
                 "vllm_metrics": {"url": f"http://127.0.0.1:{port}/metrics", "interval": "2s"},
@@ -116,18 +116,21 @@ def chat(url: str, prompt: str, max_tokens: int) -> tuple[float, int, str]:
     return time.monotonic() - began, data["usage"]["completion_tokens"], text
 
 
-def phase(url: str, prompts: list[str], max_tokens: int, concurrency: int) -> dict:
+def phase(url: str, prompts: list[str], max_tokens: int, concurrency: int, slo_s) -> dict:
+    """Send the prompts `concurrency` at a time; throughput, goodput and latencies."""
     began = time.monotonic()
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda p: chat(url, p, max_tokens), prompts))
     wall = time.monotonic() - began
     latency = np.array([r[0] for r in results])
-    tokens = sum(r[1] for r in results)
+    tokens = np.array([r[1] for r in results])
+    met = latency <= np.array([slo_s(n) for n in tokens])
     return {
         "requests": len(results),
         "wall_s": wall,
         "requests_per_s": len(results) / wall,
-        "tokens_per_s": tokens / wall,
+        "tokens_per_s": tokens.sum() / wall,
+        "goodput_tokens_per_s": tokens[met].sum() / wall,
         "latency_p50_s": float(np.percentile(latency, 50)),
         "latency_p99_s": float(np.percentile(latency, 99)),
     }
@@ -145,65 +148,120 @@ def row(name: str, block_size: int, result: dict) -> str:
     return (
         f"| {name} | {block_size} | {result['requests']} | {result['wall_s']:.1f} | "
         f"{result['requests_per_s']:.2f} | {result['tokens_per_s']:.1f} | "
+        f"{result['goodput_tokens_per_s']:.1f} | "
         f"{result['latency_p50_s']:.2f} | {result['latency_p99_s']:.2f} |"
+    )
+
+
+def first_decision(sidecar: Sidecar) -> tuple[str, dict | None]:
+    """The decision the sidecar took on its own when its window first held min_samples
+    requests (waited for, with the restart it applied): its reason and actuation."""
+    wait_for(lambda: sidecar.scheduler.runs >= 1, 1800, "the sidecar's first decision")
+    body = sidecar.recommendation()
+    return body["reason"], (body.get("actuation") if body["switch"] else None)
+
+
+def decide(sidecar: Sidecar, requests: int) -> tuple[str, dict | None]:
+    """Wait for the window to hold the phase, then have the sidecar decide now (as `POST
+    /v1/decide` does): its reason and actuation."""
+    wait_for(lambda: len(sidecar.window) >= requests, 120, "the window to fill")
+    decision = sidecar.decide()
+    return decision.reason, (sidecar.last_actuation if decision.switch else None)
+
+
+def actuation_line(actuation: dict | None) -> str:
+    if actuation is None:
+        return "no switch"
+    return (
+        f"{actuation['status']} {actuation['old_block_size']} -> "
+        f"{actuation['new_block_size']}, restart {actuation['pause_s']:.1f} s (stop to "
+        f"/health); {actuation.get('reason') or 'drained, nothing in flight'}"
     )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--venv", type=Path, default=ROOT / ".venv-vllm")
-    parser.add_argument("--kv-cache-mib", type=int, default=128)
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument(
+        "--venv",
+        type=Path,
+        default=Path(os.environ.get("BLOCKTUNE_VLLM_VENV", ROOT / ".venv-vllm")),
+    )
     parser.add_argument(
         "--calibration",
-        default="default",
-        help="the policy's calibration, e.g. one `blocktune calibrate --device cpu` wrote here",
+        type=Path,
+        required=True,
+        help="the policy's calibration: one `blocktune calibrate --engine vllm` wrote "
+        "(its block sizes are the candidates)",
     )
-    parser.add_argument(
-        "--switch-to",
-        type=int,
-        default=32,
-        help="when the sidecar keeps its size, the size the script then restarts vLLM with "
-        "(reported as the script's switch, not a decision)",
-    )
+    parser.add_argument("--initial", type=int, default=32, help="vLLM's first block size")
+    parser.add_argument("--kv-cache-mib", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=64, help="short requests per phase")
+    parser.add_argument("--long-requests", type=int, default=8)
+    parser.add_argument("--long-prompt-words", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--slo-ttft", type=float, default=60.0, help="TTFT p99 SLO [s]")
+    parser.add_argument("--slo-tpot", type=float, default=3.0, help="TPOT p99 SLO [s]")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     kv_bytes = args.kv_cache_mib * 2**20
-    log_file = Path(tempfile.mkdtemp(prefix="vllm-closed-loop-")) / "vllm.log"
-    policy = policy_for(args.venv, port, kv_bytes, log_file, args.calibration)
+    folder = Path(tempfile.mkdtemp(prefix="vllm-closed-loop-"))
+    slo = {"ttft_p99_s": args.slo_ttft, "tpot_p99_s": args.slo_tpot}
+    # the sidecar's first decision comes near the end of the short phase (the window reads
+    # most requests from vLLM's histograms: the check completions and the phase's)
+    min_samples = args.requests
+    policy = policy_for(
+        args.venv,
+        port,
+        kv_bytes,
+        folder / "vllm.log",
+        args.calibration,
+        args.initial,
+        slo,
+        min_samples,
+    )
+
+    def slo_s(tokens: int) -> float:
+        return args.slo_ttft + args.slo_tpot * max(0, tokens - 1)
+
     short = [f"Say hello to guest number {i}." for i in range(args.requests)]
-    sidecar = Sidecar(policy)
+    filler = " ".join(f"item{i}" for i in range(args.long_prompt_words))
+    long = [
+        f"Summarise this list in one line: {filler} (copy {i})" for i in range(args.long_requests)
+    ]
+    state_file = folder / "state.json"
+    sidecar = Sidecar(policy, state_file=state_file)
     sidecar.start()
     lines = []
     try:
-        wait_for(lambda: sidecar.actuator.block_size() == 128, 900, "vLLM at 128")
+        wait_for(lambda: sidecar.actuator.block_size() == args.initial, 900, "vLLM to start")
         before_texts = [chat(url, p, 24)[2] for p in CHECK_PROMPTS]
-        first = phase(url, short, args.max_tokens, args.concurrency)
-        wait_for(lambda: len(sidecar.window) >= args.requests, 60, "the window to fill")
-        decision = sidecar.decide()
-        actuation = sidecar.last_actuation or {}
-        switched_by = "the sidecar's decision"
-        if not decision.switch:
-            actuation = sidecar.actuator.apply(args.switch_to, 128).to_dict()
-            switched_by = f"this script (the sidecar kept 128), to {args.switch_to}"
+        first = phase(url, short, args.max_tokens, args.concurrency, slo_s)
+        first_reason, switched = first_decision(sidecar)
+        wait_for(lambda: sidecar.actuator.block_size() is not None, 900, "vLLM to serve")
         after_size = sidecar.actuator.block_size()
-        second = phase(url, short, args.max_tokens, args.concurrency)
+        second = phase(url, short, args.max_tokens, args.concurrency, slo_s)
         after_texts = [chat(url, p, 24)[2] for p in CHECK_PROMPTS]
-        refused = sidecar.actuator.apply(16, after_size)
+        third = phase(url, long, args.max_tokens, min(args.concurrency, len(long)), slo_s)
+        long_reason, long_switch = decide(sidecar, min_samples + args.requests + len(long))
+        long_size = sidecar.actuator.block_size()
+        refused = sidecar.actuator.apply(16, long_size)
+        sidecar.save_state()
+        saved = json.loads(state_file.read_text())
         lines += [
-            f"decision: {decision.reason}",
+            f"vLLM started at B={args.initial}; KV cache {args.kv_cache_mib} MiB; SLO TTFT p99 "
+            f"{args.slo_ttft:g} s, TPOT p99 {args.slo_tpot:g} s",
+            f"the sidecar's own first decision (window at {min_samples}): {first_reason}",
+            f"  actuation: {actuation_line(switched)}",
+            f"decision after the long-prompt phase: {long_reason}",
+            f"  actuation: {actuation_line(long_switch)}",
             f"window: {len(sidecar.window)} requests read from vLLM's /metrics",
-            f"switch applied by {switched_by}",
-            f"actuation: {actuation.get('status')} {actuation.get('old_block_size')} -> "
-            f"{actuation.get('new_block_size')}, restart {actuation.get('pause_s', 0):.1f} s "
-            f"(stop to /health); {actuation.get('reason') or 'no drain note'}",
             f"switch cost now priced at {sidecar.metrics()['switch_cost_s']:.1f} s "
-            f"(policy default {policy.switch_cost_s:.0f} s)",
+            f"(policy default {policy.switch_cost_s:.0f} s); state file restarts_s: "
+            f"{[round(x, 1) for x in saved.get('restarts_s', [])]}",
             f"greedy completions identical before and after: {before_texts == after_texts} "
             f"({len(CHECK_PROMPTS)} prompts)",
             f"refused size 16: {refused.status}, {refused.pause_s:.1f} s; reason: "
@@ -211,10 +269,11 @@ def main() -> None:
             f"block size in force after the refusal: {sidecar.actuator.block_size()}",
             "",
             "| phase | block size | requests | wall s | requests/s | output tokens/s | "
-            "latency p50 s | latency p99 s |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
-            row("short chat, before", 128, first),
-            row("short chat, after the switch", after_size, second),
+            "goodput tokens/s | latency p50 s | latency p99 s |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            row("short chat, before", args.initial, first),
+            row("short chat, after the decision", after_size, second),
+            row("long prompts", after_size, third),
         ]
     finally:
         sidecar.stop()

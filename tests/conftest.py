@@ -1,13 +1,17 @@
 """Shared fixtures: a real uvicorn server, configured as the services are, on a free port;
-a sharded replay; a deployment whose block size matters both ways."""
+a sharded replay; a deployment whose block size matters both ways; a random Llama saved by
+transformers; a bundled policy pinned to the analytic calibration."""
 
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 import uvicorn
 
+from blocktune.tuner.config.calibration import ANALYTIC_FILE, bundled_files
 from blocktune.tuner.config.policy import Policy, ServerSettings, load_policy
 from blocktune.tuner.operations import free_port
 from blocktune.tuner.serving.http import server_config
@@ -81,3 +85,45 @@ def llama2_7b_policy() -> Policy:
             "min_dwell": "2m",
         }
     )
+
+
+@pytest.fixture(scope="session")
+def save_random_llama():
+    """`save_random_llama(folder, **config)`: a transformers Llama of 2 layers, 64 wide, with 4
+    query and 2 KV heads (weights seeded 0, `config` on top), saved as safetensors in `folder`;
+    returns the model, in eval mode."""
+    transformers = pytest.importorskip("transformers")
+
+    def save(folder, **config):
+        shape = dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape | config)).eval()
+        model.save_pretrained(folder, safe_serialization=True)
+        return model
+
+    return save
+
+
+@pytest.fixture(scope="session")
+def analytic_policy_file(tmp_path_factory):
+    """`analytic_policy_file(name)`: the path of `policies/<name>.yaml` pinned to the bundled
+    analytic calibration, so that a measured file bundled later cannot change what a test
+    expects."""
+    analytic = next(path for path in bundled_files() if path.name == ANALYTIC_FILE)
+    policies = Path(__file__).resolve().parents[1] / "policies"
+
+    def pinned(name: str) -> str:
+        text = (policies / f"{name}.yaml").read_text(encoding="utf-8")
+        pinned = text.replace("calibration: default", f"calibration: {analytic}")
+        assert pinned != text, f"{name}.yaml names no default calibration"
+        path = tmp_path_factory.mktemp("policy") / f"{name}_analytic.yaml"
+        path.write_text(pinned, encoding="utf-8")
+        return str(path)
+
+    return pinned

@@ -12,22 +12,15 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def checkpoint(request, tmp_path_factory):
-    config = transformers.LlamaConfig(
+def checkpoint(request, tmp_path_factory, save_random_llama):
+    folder = tmp_path_factory.mktemp("llama")
+    reference = save_random_llama(
+        folder,
         vocab_size=200,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         rope_theta=5000.0,
         tie_word_embeddings=request.param,
     )
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config).eval()
-    folder = tmp_path_factory.mktemp("llama")
-    reference.save_pretrained(folder, safe_serialization=True)
     return reference, folder
 
 

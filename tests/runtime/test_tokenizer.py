@@ -35,20 +35,9 @@ def byte_level_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def folder(tmp_path_factory, save_random_llama):
     folder = tmp_path_factory.mktemp("chat-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=1,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    save_random_llama(folder, vocab_size=300, max_position_embeddings=256, eos_token_id=1)
     byte_level_tokenizer().save_pretrained(folder)
     return folder
 

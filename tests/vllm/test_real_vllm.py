@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from blocktune.tuner.measure.vllm_server import vllm_server_argv
 from blocktune.tuner.operations import free_port
 from blocktune.tuner.sidecar.restarts import VllmProcessActuator
 from blocktune.tuner.sidecar.vllm_metrics import parse_exposition
@@ -33,27 +34,8 @@ pytestmark = [
 
 
 def vllm_command(port: int) -> list[str]:
-    """vLLM's OpenAI server on this CPU (its `vllm` command cannot find its own metadata)."""
-    return [
-        str(VENV / "bin" / "python"),
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(MODEL),
-        "--served-model-name",
-        "smollm2",
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "2048",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--block-size",
-        "{block_size}",
-    ]
+    """vLLM's OpenAI server on this CPU, serving SmolLM2 as `smollm2` on `port`."""
+    return vllm_server_argv(VENV, MODEL, port=str(port), served_model_name="smollm2")
 
 
 def vllm_env() -> dict[str, str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from blocktune.tuner.cli._common import (
@@ -16,6 +17,8 @@ from blocktune.tuner.cli._common import (
 __all__ = ["register"]
 
 DEFAULT_BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+DEFAULT_VLLM_BLOCK_SIZES = (32, 64, 128)
+"""Sizes every vLLM attention backend accepts (the CPU one takes multiples of 32 only)."""
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -23,7 +26,13 @@ def run_calibrate(args: argparse.Namespace) -> int:
     host bookkeeping per token and copy bandwidth; write a calibration YAML with provenance.
     With --engine, also time whole engine steps of a model (decode batches x contexts and
     admission steps, round-robin over the block sizes) and fit the simulator's step form to
-    them jointly; --trace fits the grid's prefill chunks and contexts to a trace's lengths."""
+    them jointly; --trace fits the grid's prefill chunks and contexts to a trace's lengths.
+    With --engine vllm, time a vLLM server instead (one start per block size) from its
+    streamed tokens over batch sizes x context lengths, and fit the same step form."""
+    if args.engine == "vllm":
+        args.block_sizes = args.block_sizes or list(DEFAULT_VLLM_BLOCK_SIZES)
+        return run_vllm_calibrate(args)
+    args.block_sizes = args.block_sizes or list(DEFAULT_BLOCK_SIZES)
     import torch
 
     from blocktune.runtime.model import ModelLoadError
@@ -79,20 +88,84 @@ def run_calibrate(args: argparse.Namespace) -> int:
         except (ModelLoadError, ValueError) as error:  # TraceError is a ValueError too
             print(f"error: {error}", file=sys.stderr)
             return 2
+    _write(calibration, args.out, progress)
+    return 0
+
+
+def run_vllm_calibrate(args: argparse.Namespace) -> int:
+    """`calibrate --engine vllm` (see `tuner.measure.vllm_measure`)."""
+    import httpx
+
+    from blocktune.tuner.cli.vllm_engine import vllm_setup
+    from blocktune.tuner.measure.engine_measure import describe_fit
+    from blocktune.tuner.measure.vllm_measure import (
+        default_vllm_grid,
+        hf_engine_model,
+        measure_vllm_calibration,
+    )
+    from blocktune.tuner.measure.vllm_server import VllmStartError
+
+    def progress(message: str) -> None:
+        print(f"calibrate (vllm): {message}", file=sys.stderr, flush=True)
+
+    unused = [
+        flag
+        for flag, given in (
+            ("--device", args.device is not None),
+            ("--model-shape", args.model_shape is not None),
+            ("--prefill-chunks", args.prefill_chunks is not None),
+            ("--trace", args.trace is not None),
+            ("--threads", args.threads is not None),
+            ("--clock", args.clock != "wall"),
+        )
+        if given
+    ]
+    if unused:
+        print(f"error: {', '.join(unused)} do not apply to --engine vllm", file=sys.stderr)
+        return 2
+    try:
+        template, folder, logs = vllm_setup(args)
+        model = hf_engine_model(folder, folder.name, args.dtype)
+        grid = default_vllm_grid(quick=args.quick, block_sizes=tuple(args.block_sizes))
+        given = {
+            name: tuple(getattr(args, name))
+            for name in ("batch_sizes", "context_lens")
+            if getattr(args, name) is not None
+        }
+        if args.decode_tokens is not None:
+            given["decode_tokens"] = args.decode_tokens
+        grid = replace(grid, **given)
+        progress(f"servers' output in {logs}")
+        calibration = measure_vllm_calibration(
+            template,
+            model,
+            grid,
+            logs,
+            start_timeout_s=args.vllm_start_timeout,
+            seed=args.seed,
+            progress=progress,
+        )
+    except (ValueError, VllmStartError, httpx.HTTPError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for line in describe_fit(calibration.engine):
+        progress(line)
+    _write(calibration, args.out, progress)
+    return 0
+
+
+def _write(calibration, out: Path | None, progress) -> None:
     text = calibration.to_yaml()
-    if args.out is None:
+    if out is None:
         sys.stdout.write(text)
     else:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text, encoding="utf-8")
-        progress(f"wrote {args.out}")
-    return 0
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+        progress(f"wrote {out}")
 
 
 def _engine_grid(args: argparse.Namespace):
     """The default engine grid (quick or full) with the dimensions given on the command line."""
-    from dataclasses import replace
-
     from blocktune.tuner.measure.engine_measure import default_engine_grid
 
     grid = default_engine_grid(quick=args.quick, block_sizes=tuple(args.block_sizes))
@@ -125,7 +198,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     """Add `calibrate` to the command line."""
     from blocktune.traces.formats import FORMATS
     from blocktune.tuner.cli.validate import DEFAULT_REQUESTS
+    from blocktune.tuner.cli.vllm_engine import add_vllm_arguments
     from blocktune.tuner.measure.engine_measure import default_engine_grid
+    from blocktune.tuner.measure.vllm_measure import default_vllm_grid
 
     parser = commands.add_parser(
         "calibrate",
@@ -151,18 +226,28 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--block-sizes",
         type=block_size_arg,
         nargs="+",
-        default=list(DEFAULT_BLOCK_SIZES),
+        default=None,
         metavar="B",
-        help="block sizes to measure (default: 8 16 32 64 128 256)",
+        help="block sizes to measure (default: 8 16 32 64 128 256; --engine vllm: 32 64 128)",
     )
     parser.add_argument(
         "--engine",
-        action="store_true",
+        nargs="?",
+        const="blocktune",
+        choices=("blocktune", "vllm"),
+        default=None,
         help="also time whole engine steps of --model and fit the simulator's step form "
-        "(the kernel part is then measured for that model's attention shape)",
+        "(the kernel part is then measured for that model's attention shape); "
+        "--engine vllm: time a vLLM server's steps instead (--model: its Hugging Face "
+        "folder), see the --engine vllm options",
     )
     add_model_arguments(parser)
     full = default_engine_grid(quick=False, block_sizes=DEFAULT_BLOCK_SIZES)
+    vllm_full = default_vllm_grid(quick=False, block_sizes=DEFAULT_BLOCK_SIZES)
+    vllm_defaults = {
+        name: " ".join(map(str, getattr(vllm_full, name)))
+        for name in ("batch_sizes", "context_lens")
+    }
     for name, help_text in (
         ("batch_sizes", "decode batch sizes"),
         ("context_lens", "context lengths of the decode batches"),
@@ -174,8 +259,17 @@ def register(commands: argparse._SubParsersAction) -> None:
             type=positive_int,
             nargs="+",
             metavar="N",
-            help=f"--engine: {help_text} to time (default: {default})",
+            help=f"--engine: {help_text} to time (default: {default}"
+            + ("" if name == "prefill_chunks" else f"; vllm: {vllm_defaults[name]}")
+            + ")",
         )
+    parser.add_argument(
+        "--decode-tokens",
+        type=positive_int,
+        metavar="N",
+        help="--engine vllm: tokens each timed request generates "
+        f"(default: {vllm_full.decode_tokens})",
+    )
     parser.add_argument(
         "--trace",
         metavar="FILE",
@@ -200,4 +294,5 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts")
     add_measurement_arguments(parser)
+    add_vllm_arguments(parser)
     parser.set_defaults(handler=run_calibrate)

@@ -50,7 +50,11 @@ def run_validate(args: argparse.Namespace) -> int:
     TTFT and TPOT p50/p99, peak KV blocks and preemptions with their relative errors, and
     how both rank the block sizes by tokens/s, TPOT p50 and TTFT p99. Without --calibration
     an engine calibration is measured first, its prefill grid reaching the trace's longest
-    prompt; on a CPU, steps are timed by the CPU clock with one thread by default."""
+    prompt; on a CPU, steps are timed by the CPU clock with one thread by default. With
+    --engine vllm the live side is a vLLM server per block size, sent the requests at their
+    arrival times, and --calibration must be one `calibrate --engine vllm` wrote."""
+    if args.engine == "vllm":
+        return run_vllm_validate(args)
     from blocktune.tuner.cli._common import (
         load_policy_and_calibration,
         load_shaped_model_from_args,
@@ -111,6 +115,76 @@ def run_validate(args: argparse.Namespace) -> int:
         return 0
     if validation.trace["too_long"]:
         print(f"left out {validation.trace['too_long']} requests longer than the pool")
+    print(format_validation_table(validation))
+    if args.json is not None:
+        write_validation(validation, Path(args.json))
+        print(f"wrote {args.json}")
+    return 0
+
+
+def run_vllm_validate(args: argparse.Namespace) -> int:
+    """`validate --engine vllm` (see `tuner.fidelity.vllm_validation`)."""
+    import httpx
+
+    from blocktune.tuner.cli._common import load_policy_and_calibration, load_trace_or_day
+    from blocktune.tuner.cli.vllm_engine import vllm_setup
+    from blocktune.tuner.fidelity.validation_report import (
+        format_validation_table,
+        validation_dict,
+        write_validation,
+    )
+    from blocktune.tuner.fidelity.vllm_validation import validate_vllm
+    from blocktune.tuner.measure.vllm_server import VllmStartError
+    from blocktune.tuner.sim.workload import Workload
+
+    def progress(message: str) -> None:
+        print(f"validate (vllm): {message}", file=sys.stderr, flush=True)
+
+    if args.calibration is None:
+        print(
+            "error: --engine vllm needs --calibration FILE (`blocktune calibrate --engine vllm` "
+            "writes one)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        policy, calibration = load_policy_and_calibration(args.policy, args.calibration)
+        frame, label = load_trace_or_day(args)
+        workload = Workload.from_frame(frame.sort_values("arrival_s").head(args.requests))
+        template, _model, logs = vllm_setup(args)
+        block_sizes = tuple(args.block_sizes or policy.candidates)
+        if args.json != "-":
+            print(f"trace: {label}, first {len(workload)} requests")
+            print(f"policy: {policy.deployment}, KV budget {policy.kv_budget}")
+            print(f"calibration: {calibration.describe()}", flush=True)
+        progress(f"servers' output in {logs}")
+        validation = validate_vllm(
+            workload,
+            policy,
+            calibration,
+            block_sizes,
+            template,
+            logs,
+            runs=args.runs,
+            start_timeout_s=args.vllm_start_timeout,
+            seed=args.seed,
+            progress=progress,
+        )
+    except (ValueError, VllmStartError, httpx.HTTPError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    validation.trace["label"] = label
+    if args.json == "-":
+        print(json.dumps(validation_dict(validation), indent=2, allow_nan=False))
+        return 0
+    if validation.trace["too_long"]:
+        print(f"left out {validation.trace['too_long']} requests longer than the pool")
+    pools = validation.setup["pool_blocks"]
+    served = validation.setup["vllm_pool_blocks"]
+    print(
+        "KV blocks per size, simulated / vLLM's: "
+        + ", ".join(f"B={b}: {pools[b]} / {served.get(b)}" for b in pools)
+    )
     print(format_validation_table(validation))
     if args.json is not None:
         write_validation(validation, Path(args.json))
@@ -181,6 +255,8 @@ def _engine_calibration(
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `validate` to the command line."""
+    from blocktune.tuner.cli.vllm_engine import add_vllm_arguments
+
     parser = commands.add_parser(
         "validate",
         help="compare the simulator's predictions with the live engine, per block size",
@@ -238,4 +314,12 @@ def register(commands: argparse._SubParsersAction) -> None:
         "once, each with --threads torch threads (default: %(default)s, the machine's cores "
         f"up to {DEFAULT_JOBS}; 1: all in this process)",
     )
+    parser.add_argument(
+        "--engine",
+        choices=("blocktune", "vllm"),
+        default="blocktune",
+        help="the live side: blocktune's engine, or a vLLM server per block size (--model: "
+        "its Hugging Face folder; see the --engine vllm options) (default: %(default)s)",
+    )
+    add_vllm_arguments(parser)
     parser.set_defaults(handler=run_validate)

@@ -12,11 +12,14 @@ to "multiples of n", read from vLLM 0.32.0's source file named beside it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
 
 __all__ = [
+    "BACKEND_LINE",
     "DEFAULT_VLLM_BACKEND",
+    "PLATFORM_LINE",
     "VLLM_BACKENDS",
     "VllmBackend",
     "VllmBackendName",
@@ -24,6 +27,11 @@ __all__ = [
 ]
 
 DeviceKind = Literal["cpu", "gpu"]
+
+PLATFORM_LINE = re.compile(r"(?:Automatically detected platform |\bdevice_config=)(\w+)")
+"""vLLM's platform: logged at start-up, and in the engine's configuration line."""
+BACKEND_LINE = re.compile(r"Using (\w+) (?:attention )?backend")
+"""The attention backend a vLLM server logs that it selected."""
 
 
 @dataclass(frozen=True)

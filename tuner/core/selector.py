@@ -218,9 +218,12 @@ class Selector:
             "goal": policy.goal,
         }
         if generated == 0:
-            reason = (
-                f"{snapshot.count} requests in the window generated no tokens: keep B={current}"
+            seen = (
+                "no request in the window yet"
+                if snapshot.count == 0
+                else f"the {snapshot.count} requests in the window generated no tokens"
             )
+            reason = f"{seen}: keep B={current}"
             return Decision(current, current, [], False, reason, **base)
         mean_context = float((prompts * outputs + outputs * (outputs + 1) / 2).sum() / generated)
         optimum, prior = model.principled_block_size(mean_context)
@@ -235,7 +238,8 @@ class Selector:
         base.update(principled_block_tokens=optimum, article_heuristic=article, candidates=costs)
         if snapshot.count < policy.window.min_samples:
             reason = (
-                f"only {snapshot.count} of the {policy.window.min_samples} requests needed: "
+                f"only {snapshot.count} of the {policy.window.min_samples} requests a decision "
+                "needs are in the window: "
                 f"keep B={current} (the prior B*={optimum:.1f} tokens suggests {prior})"
             )
             return Decision(prior, prior, switch=False, reason=reason, **base)

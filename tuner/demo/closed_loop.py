@@ -220,7 +220,11 @@ def _live_line(
         "median_len": median,
         "recommended": recommendation.get("recommended_block_size"),
         "reason": recommendation.get("reason"),
-        "gain_interval": recommendation.get("gain_interval"),
+        "gain_interval": (
+            recommendation.get("gain_interval")
+            if any("capacity_interval" in c for c in recommendation.get("candidates", []))
+            else None  # no forecast compared two sizes: the reason says why
+        ),
         "block_size": state["block_size"],
         "blocks_used": state["blocks_used"],
     }
@@ -231,11 +235,13 @@ def _live_line(
         f"blocks used {state['blocks_used']:>4}  swap {swap_text}"
     )
     interval = point["gain_interval"]
-    if interval is not None:
-        line += (
-            f"\n         decision: gain {interval[0]:+.1%} to {interval[1]:+.1%} over the "
-            f"resamples; {point['reason']}"
+    if point["reason"] is not None:
+        gain = (
+            ""
+            if interval is None
+            else f"gain {interval[0]:+.1%} to {interval[1]:+.1%} over the resamples; "
         )
+        line += f"\n         decision: {gain}{point['reason']}"
     return line, point, new_swaps
 
 

@@ -48,6 +48,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from blocktune.tuner.config.policy import BLOCK_SIZE_PLACEHOLDER
+from blocktune.tuner.config.vllm_backends import BACKEND_LINE, PLATFORM_LINE
 from blocktune.tuner.operations import NotReady, log_event, wait_until_ready
 from blocktune.tuner.sidecar.actuators import STATE_TIMEOUT_S, Actuation
 from blocktune.tuner.sidecar.vllm_metrics import parse_exposition
@@ -68,9 +69,6 @@ a few hundred lines of tracebacks before it exits)."""
 HEALTH_POLL_S = 0.2
 DRAIN_POLL_S = 0.25
 IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-PLATFORM_LINE = re.compile(r"(?:Automatically detected platform |\bdevice_config=)(\w+)")
-"""vLLM's platform: logged at start-up, and in the engine's configuration line."""
-BACKEND_LINE = re.compile(r"Using (\w+) (?:attention )?backend")
 EXCEPTION_LINE = re.compile(r"(?:^|\] )(\w+(?:Error|Exception): .+)")
 """An exception's message, alone on its line or after vLLM's log prefix."""
 

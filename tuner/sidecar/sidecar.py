@@ -187,13 +187,20 @@ class Sidecar:
         last few measured restarts instead of the policy's `restart`."""
         with self._lock:
             self._restarts.append(seconds)
+        cost = self._price_measured_restarts()
+        log_event(log, "restart_cost_measured", restart_s=round(seconds, 3), cost_s=round(cost, 3))
+
+    def _price_measured_restarts(self) -> float:
+        """Decide from now on with the median of the measured restarts as the restart cost
+        (the last switch's time kept for min_dwell); that median."""
+        with self._lock:
             cost = statistics.median(self._restarts)
         measured = self.policy.model_copy(update={"restart": timedelta(seconds=cost)})
         selector = Selector(measured, self.calibration, clock=time.time)
         if self.selector.last_switch is not None:
             selector.record_switch(self.selector.last_switch)
         self.selector = selector
-        log_event(log, "restart_cost_measured", restart_s=round(seconds, 3), cost_s=round(cost, 3))
+        return cost
 
     # ------------------------------------------------------------------ properties
     @property
@@ -547,6 +554,7 @@ class Sidecar:
                 ),
                 recommendation=self._body,
                 actuation=self._actuation,
+                restarts_s=list(self._restarts),
             )
 
     def _restore(self) -> None:
@@ -568,6 +576,9 @@ class Sidecar:
         self._recommended = saved.recommended_block_size
         self._body = saved.recommendation
         self._actuation = saved.actuation
+        if saved.restarts_s and self._restarting:
+            self._restarts.extend(saved.restarts_s)
+            self._price_measured_restarts()
         if saved.last_switch_at is not None:
             self.selector.record_switch(saved.last_switch_at)
         log_event(
@@ -577,4 +588,5 @@ class Sidecar:
             requests=len(rows.prompt_tokens),
             block_size=saved.current_block_size,
             saved_at=saved.saved_at,
+            restart_cost_s=self.selector.policy.switch_cost_s if self._restarts else None,
         )

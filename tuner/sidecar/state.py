@@ -57,6 +57,8 @@ __all__ = [
 STATE_VERSION = 1
 BYTES_PER_ROW = 128  # a window row as JSON is at most about 70 bytes
 BYTES_BESIDE_ROWS = 1 << 20  # the last decision and the envelope
+RESTARTS_SAVED = 100
+"""The most measured restarts a state file may hold (the sidecar keeps fewer)."""
 log = logging.getLogger("blocktune.sidecar")
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
@@ -121,6 +123,10 @@ class SavedState(_Frozen):
     window: SavedWindow
     recommendation: dict | None = None
     actuation: dict | None = None
+    restarts_s: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
+        default=[], max_length=RESTARTS_SAVED
+    )
+    """The last measured engine restarts (stop to healthy) [s], oldest first."""
 
     @model_validator(mode="after")
     def _fits_the_policy(self, info: ValidationInfo) -> SavedState:

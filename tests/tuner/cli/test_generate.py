@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.loading import load_pretrained
@@ -81,21 +80,10 @@ def test_bad_lines_are_named_by_file_line_and_field(tmp_path, capsys, line, need
 
 
 @pytest.fixture(scope="module")
-def short_model(tmp_path_factory):
+def short_model(tmp_path_factory, save_random_llama):
     """A random Llama folder saved by transformers with only 512 positions."""
-    transformers = pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("llama-512")
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    save_random_llama(folder, vocab_size=300, max_position_embeddings=512)
     return folder
 
 

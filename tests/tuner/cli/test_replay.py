@@ -6,7 +6,6 @@ from pathlib import Path
 import pytest
 
 from blocktune.tuner.cli import main
-from blocktune.tuner.config.calibration import ANALYTIC_FILE, bundled_files
 from blocktune.tuner.replay.report import RESULT_KEYS
 
 pytestmark = pytest.mark.slow
@@ -17,15 +16,8 @@ SMALL_DAY = ("--rate-scale", "0.005")  # about 800 requests
 
 
 @pytest.fixture(scope="module")
-def policy_file(tmp_path_factory) -> str:
-    """The customer-service policy pinned to the bundled analytic calibration."""
-    analytic = next(p for p in bundled_files() if p.name == ANALYTIC_FILE)
-    text = (ROOT / "policies" / "customer_service_llama8b.yaml").read_text(encoding="utf-8")
-    pinned = text.replace("calibration: default", f"calibration: {analytic}")
-    assert pinned != text
-    path = tmp_path_factory.mktemp("policy") / "customer_service_analytic.yaml"
-    path.write_text(pinned, encoding="utf-8")
-    return str(path)
+def policy_file(analytic_policy_file) -> str:
+    return analytic_policy_file("customer_service_llama8b")
 
 
 def test_embedded_day_table_report_and_plots(capsys, tmp_path, policy_file):

@@ -7,7 +7,7 @@ import pytest
 
 from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.cli import main
-from blocktune.tuner.config.calibration import ANALYTIC_FILE, analytic_calibration, bundled_files
+from blocktune.tuner.config.calibration import analytic_calibration
 from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.core.recommendation import recommend
 
@@ -16,16 +16,8 @@ AZURE = ROOT.parent / "shared" / "traces" / "azure_llm_2023" / "AzureLLMInferenc
 
 
 @pytest.fixture(scope="module")
-def policy_file(tmp_path_factory) -> str:
-    """policies/default.yaml pinned to the bundled analytic calibration (a measured file
-    bundled later must not change what these tests expect)."""
-    analytic = next(p for p in bundled_files() if p.name == ANALYTIC_FILE)
-    text = (ROOT / "policies" / "default.yaml").read_text(encoding="utf-8")
-    pinned = text.replace("calibration: default", f"calibration: {analytic}")
-    assert pinned != text
-    path = tmp_path_factory.mktemp("policy") / "default_analytic.yaml"
-    path.write_text(pinned, encoding="utf-8")
-    return str(path)
+def policy_file(analytic_policy_file) -> str:
+    return analytic_policy_file("default")
 
 
 def run_json(capsys, policy_file: str, *args: str) -> dict:

@@ -31,7 +31,7 @@ def test_the_analysis_notebook_executes(tmp_path, monkeypatch):
     client = NotebookClient(
         notebook,
         kernel_name="python3",
-        timeout=120,
+        timeout=600,  # per cell: a guard against a hung kernel, not a speed limit
         resources={"metadata": {"path": str(NOTEBOOK.parent)}},
     )
     client.execute()

@@ -6,9 +6,6 @@ import pytest
 import torch
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
-from blocktune.runtime.engine_loop import EngineLoop
-from blocktune.runtime.loading import load_pretrained
-from blocktune.tuner.serving.worker_app import create_worker_app
 
 openai = pytest.importorskip("openai")
 
@@ -16,24 +13,10 @@ MODEL = "tiny-random"
 CONFIG = EngineConfig(block_size=8, num_blocks=256)
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    return load_pretrained(MODEL)
-
-
 @pytest.fixture
-def worker(loaded, live_server):
-    loop = EngineLoop(Engine(loaded.model, CONFIG))
-    loop.start()
-    with live_server(create_worker_app(loop, model_name=MODEL, tokenizer=loaded.tokenizer)) as url:
+def worker(loaded, serve_worker):
+    with serve_worker(loaded, CONFIG, MODEL) as url:
         yield url
-    loop.stop()
-
-
-@pytest.fixture
-def client(worker):
-    with openai.OpenAI(base_url=f"{worker}/v1", api_key="unused", max_retries=0) as client:
-        yield client
 
 
 def greedy(loaded, prompts, max_tokens, **params):
@@ -164,15 +147,12 @@ def test_chat_logprobs_and_content_parts(client, loaded):
     )
 
 
-def test_a_chat_without_max_tokens_may_fill_the_room_left(loaded, live_server):
-    engine = Engine(loaded.model, EngineConfig(block_size=8, num_blocks=64, max_model_len=48))
-    loop = EngineLoop(engine)
-    loop.start()
-    with live_server(create_worker_app(loop, model_name=MODEL, tokenizer=loaded.tokenizer)) as url:
+def test_a_chat_without_max_tokens_may_fill_the_room_left(loaded, serve_worker):
+    config = EngineConfig(block_size=8, num_blocks=64, max_model_len=48)
+    with serve_worker(loaded, config, MODEL) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "hi"}]
         response = client.chat.completions.create(model=MODEL, messages=messages, temperature=0)
-    loop.stop()
     prompt = loaded.tokenizer.apply_chat_template(messages)
     assert response.usage.completion_tokens == 48 - len(prompt)
     assert response.choices[0].finish_reason == "length"

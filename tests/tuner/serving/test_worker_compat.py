@@ -9,7 +9,6 @@ import torch
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.engine_loop import EngineLoop
-from blocktune.runtime.loading import load_pretrained
 from blocktune.tuner.serving.worker_app import create_worker_app
 
 openai = pytest.importorskip("openai")
@@ -19,24 +18,10 @@ CONFIG = EngineConfig(block_size=8, num_blocks=256)
 USER = [{"role": "user", "content": "Where is my parcel?"}]
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    return load_pretrained(MODEL)
-
-
 @pytest.fixture
-def worker(loaded, live_server):
-    loop = EngineLoop(Engine(loaded.model, CONFIG))
-    loop.start()
-    with live_server(create_worker_app(loop, model_name=MODEL, tokenizer=loaded.tokenizer)) as url:
+def worker(loaded, serve_worker):
+    with serve_worker(loaded, CONFIG, MODEL) as url:
         yield url
-    loop.stop()
-
-
-@pytest.fixture
-def client(worker):
-    with openai.OpenAI(base_url=f"{worker}/v1", api_key="unused", max_retries=0) as client:
-        yield client
 
 
 def greedy(loaded, prompt: list[int], **params) -> str:

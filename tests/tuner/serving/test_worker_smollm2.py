@@ -6,9 +6,7 @@ import importlib.util
 import pytest
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
-from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.loading import load_pretrained
-from blocktune.tuner.serving.worker_app import create_worker_app
 
 openai = pytest.importorskip("openai")
 pytestmark = [
@@ -29,12 +27,9 @@ def loaded():
 
 
 @pytest.fixture
-def client(loaded, live_server):
-    loop = EngineLoop(Engine(loaded.model, CONFIG))
-    loop.start()
-    with live_server(create_worker_app(loop, model_name=MODEL, tokenizer=loaded.tokenizer)) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-    loop.stop()
+def worker(loaded, serve_worker):
+    with serve_worker(loaded, CONFIG, MODEL) as url:
+        yield url
 
 
 def answer(loaded, prompt: list[int], max_tokens: int) -> str:

@@ -39,6 +39,14 @@ def _swapper(url, sizes, stop, every_s, results):
         results.append(httpx.post(f"{url}/admin/block-size", json=body, headers=AUTH, timeout=60))
 
 
+def guarded_worker(live_server, loop):
+    """`with guarded_worker(live_server, loop) as url:` serves `loop` behind the soak's token."""
+    app = create_worker_app(
+        loop, model_name="tiny-random", tokenizer=Tokenizer.byte_level(), token=TOKEN
+    )
+    return live_server(app)
+
+
 def test_soak_two_thousand_requests_with_cancels_and_swaps(model, live_server):
     requests = _requests(2000, seed=7)
     reference = Engine(model, EngineConfig(block_size=16, num_blocks=4096, max_num_seqs=64))
@@ -50,11 +58,7 @@ def test_soak_two_thousand_requests_with_cancels_and_swaps(model, live_server):
     rng = random.Random(3)
     cancelled = {i for i in range(len(requests)) if rng.random() < 0.05}
     swaps, stop = [], threading.Event()
-    with live_server(
-        create_worker_app(
-            loop, model_name="tiny-random", tokenizer=Tokenizer.byte_level(), token=TOKEN
-        )
-    ) as url:
+    with guarded_worker(live_server, loop) as url:
 
         def send(index):
             prompt, max_tokens = requests[index]
@@ -104,11 +108,7 @@ def test_a_faulty_swap_rolls_back_while_traffic_continues(model, live_server):
     engine.swap_fault_hook = fault
     loop = EngineLoop(engine)
     loop.start()
-    with live_server(
-        create_worker_app(
-            loop, model_name="tiny-random", tokenizer=Tokenizer.byte_level(), token=TOKEN
-        )
-    ) as url:
+    with guarded_worker(live_server, loop) as url:
 
         def send(index):
             prompt, max_tokens = requests[index]

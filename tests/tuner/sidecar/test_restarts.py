@@ -294,8 +294,41 @@ def test_the_sidecar_restarts_its_vllm_and_prices_switches_at_the_measured_resta
         sidecar.stop()
     saved = json.loads((tmp_path / "state.json").read_text())
     assert saved["current_block_size"] == 32 and saved["actuation"]["status"] == "done"
+    assert saved["restarts_s"] == [actuation["pause_s"]]
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+    # A sidecar started again on the state file pays back the measured restart at once.
+    again = Sidecar(vllm_policy(port, tmp_path=tmp_path), state_file=tmp_path / "state.json")
+    assert again.metrics()["switch_cost_s"] == pytest.approx(actuation["pause_s"], abs=1e-6)
+
+
+def test_measured_restarts_survive_a_restart_of_the_sidecar(tmp_path):
+    policy = vllm_policy(free_port(), tmp_path=tmp_path)
+    state = tmp_path / "state.json"
+    first = Sidecar(policy, state_file=state)
+    assert first.metrics()["switch_cost_s"] == 60.0  # the policy's restart before any
+    for seconds in (80.0, 75.9, 140.0):
+        first._measured_restart(seconds)
+    first.save_state()
+    assert json.loads(state.read_text())["restarts_s"] == [80.0, 75.9, 140.0]
+    second = Sidecar(policy, state_file=state)
+    assert second.metrics()["restarts_s"] == [80.0, 75.9, 140.0]
+    assert second.metrics()["switch_cost_s"] == pytest.approx(80.0)  # their median
+    # A policy whose switches are not restarts does not price them.
+    swaps = Policy.model_validate({**policy.model_dump(), "actuator": {"kind": "none"}})
+    assert Sidecar(swaps, state_file=state).metrics()["restarts_s"] == []
+
+
+def test_a_state_with_a_negative_restart_is_set_aside(tmp_path):
+    policy = vllm_policy(free_port(), tmp_path=tmp_path)
+    state = tmp_path / "state.json"
+    sidecar = Sidecar(policy, state_file=state)
+    sidecar.save_state()
+    data = json.loads(state.read_text())
+    state.write_text(json.dumps({**data, "restarts_s": [-1.0]}))
+    again = Sidecar(policy, state_file=state)
+    assert again.metrics()["restarts_s"] == []
+    assert again.state_file.set_aside_as is not None
 
 
 @pytest.mark.slow

@@ -120,19 +120,16 @@ def test_step_times_follow_the_calibration():
     assert run.busy_s == pytest.approx(run.finish_s[0], rel=1e-12)
 
 
-class PaddedPairs(StepCostModel):
-    """Steps of 10 ms plus a padded-batch term and a prompt-pair term, nothing else."""
+class ExactTerms(StepCostModel):
+    """Every size's step costs exactly the `terms` given, the other terms 0."""
+
+    def __init__(self, policy, calibration, **terms):
+        super().__init__(policy, calibration)
+        shared = ("fixed_s", "per_block_s", "per_token_s", "per_sequence_s", "prefill_s_per_token")
+        self._steps = StepCoefficients(**dict.fromkeys(shared, 0.0) | terms)
 
     def step_cost(self, block_size: int) -> StepCoefficients:
-        return StepCoefficients(
-            fixed_s=0.01,
-            per_block_s=0.0,
-            per_token_s=0.0,
-            per_sequence_s=0.0,
-            prefill_s_per_token=0.0,
-            per_padded_token_s=1e-5,
-            prefill_s_per_pair=1e-8,
-        )
+        return self._steps
 
 
 def test_a_padded_batch_costs_its_longest_context_and_a_prompt_its_pairs():
@@ -142,7 +139,10 @@ def test_a_padded_batch_costs_its_longest_context_and_a_prompt_its_pairs():
     frame = pd.DataFrame(
         {"arrival_s": [0.0, 0.0], "prompt_tokens": [100, 20], "output_tokens": [3, 5]}
     )
-    run = simulate(Workload.from_frame(frame), PaddedPairs(POLICY, CALIBRATION), 16)
+    model = ExactTerms(
+        POLICY, CALIBRATION, fixed_s=0.01, per_padded_token_s=1e-5, prefill_s_per_pair=1e-8
+    )
+    run = simulate(Workload.from_frame(frame), model, 16)
     steps = [0.01 + 2 * ctx * 1e-5 for ctx in (100, 101, 102)]
     steps += [0.01 + ctx * 1e-5 for ctx in (23, 24)]
     steps[0] += (100 * 100 + 20 * 20) * 1e-8
@@ -150,18 +150,9 @@ def test_a_padded_batch_costs_its_longest_context_and_a_prompt_its_pairs():
     assert run.finish_s.tolist() == pytest.approx([sum(steps[:3]), sum(steps)], rel=1e-12)
 
 
-class Admissions(StepCostModel):
+def admissions_model(policy) -> ExactTerms:
     """Steps of 10 ms plus 1 ms per prompt chunk, nothing else."""
-
-    def step_cost(self, block_size: int) -> StepCoefficients:
-        return StepCoefficients(
-            fixed_s=0.01,
-            per_block_s=0.0,
-            per_token_s=0.0,
-            per_sequence_s=0.0,
-            prefill_s_per_token=0.0,
-            per_admission_s=0.001,
-        )
+    return ExactTerms(policy, CALIBRATION, fixed_s=0.01, per_admission_s=0.001)
 
 
 def test_each_admitted_prompt_costs_its_admission():
@@ -171,12 +162,12 @@ def test_each_admitted_prompt_costs_its_admission():
         {"arrival_s": [0.0, 0.0, 0.0, 1.0], "prompt_tokens": [40, 20, 30, 10],
          "output_tokens": [2, 2, 2, 2]}
     )  # fmt: skip
-    run = simulate(Workload.from_frame(frame), Admissions(POLICY, CALIBRATION), 16)
+    run = simulate(Workload.from_frame(frame), admissions_model(POLICY), 16)
     assert run.first_token_s.tolist() == pytest.approx([0.013] * 3 + [1.011], rel=1e-12)
     assert run.finish_s.tolist() == pytest.approx([0.023] * 3 + [1.021], rel=1e-12)
     # A budget of 32 tokens: step 1 computes 32 of the first prompt, step 2 its last 8 and
     # 20 + 4 of the next two (3 chunks), step 3 the third's last 26 beside 2 decodes.
-    chunked = Admissions(with_budget(8192, batch={"max_num_batched_tokens": 32}), CALIBRATION)
+    chunked = admissions_model(with_budget(8192, batch={"max_num_batched_tokens": 32}))
     run = simulate(Workload.from_frame(frame.head(3)), chunked, 16)
     assert run.first_token_s.tolist() == pytest.approx([0.024, 0.024, 0.035], rel=1e-12)
 
