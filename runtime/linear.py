@@ -35,6 +35,11 @@ class PackedLinear(nn.Linear):
         self._packed: torch.Tensor | None = None
         self._packed_key: tuple | None = None
 
+    def __getstate__(self) -> dict:
+        """Pickled without the packed copy (a oneDNN tensor, which cannot be pickled): it is
+        a cache, which the first run after unpickling packs again."""
+        return {**self.__dict__, "_packed": None, "_packed_key": None}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if torch.is_grad_enabled() or not packs(weight):

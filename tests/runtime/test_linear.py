@@ -29,3 +29,16 @@ def test_with_autograd_it_is_plain_linear():
     layer(x).sum().backward()
     assert layer._packed is None
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(2, 8).detach())
+
+
+def test_a_packed_layer_pickles_without_its_packed_copy_and_packs_again():
+    import pickle
+
+    layer = PackedLinear(16, 8)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        before = layer(x)
+    copy = pickle.loads(pickle.dumps(layer))
+    assert copy._packed is None
+    with torch.inference_mode():
+        torch.testing.assert_close(copy(x), before, rtol=0, atol=0)

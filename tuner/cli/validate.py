@@ -31,6 +31,7 @@ from blocktune.tuner.cli._common import (
     block_size_arg,
     positive_int,
 )
+from blocktune.tuner.measure.processes import DEFAULT_JOBS, default_jobs
 
 if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
@@ -102,6 +103,7 @@ def run_validate(args: argparse.Namespace) -> int:
             block_sizes,
             runs=args.runs,
             seed=args.seed,
+            jobs=args.jobs,
             progress=progress,
         )
     except ValueError as error:  # every bad input: policy, trace, model, calibration
@@ -240,7 +242,14 @@ def _engine_calibration(
     )
     # The comparison prices steps by the engine section alone: the kernel part's quick grid.
     return measure_engine_calibration(
-        model, name, grid, quick=True, clock=args.clock, seed=args.seed, progress=progress
+        model,
+        name,
+        grid,
+        quick=True,
+        clock=args.clock,
+        seed=args.seed,
+        jobs=args.jobs,
+        progress=progress,
     )
 
 
@@ -296,6 +305,15 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="write the comparison as JSON to FILE ('-': print it instead of the table)",
     )
     add_measurement_arguments(parser, shared_cpu=True)
+    parser.add_argument(
+        "--jobs",
+        type=positive_int,
+        default=default_jobs(),
+        metavar="N",
+        help="worker processes that time the calibration's points and serve the live runs at "
+        "once, each with --threads torch threads (default: %(default)s, the machine's cores "
+        f"up to {DEFAULT_JOBS}; 1: all in this process)",
+    )
     parser.add_argument(
         "--engine",
         choices=("blocktune", "vllm"),

@@ -18,9 +18,12 @@ the block sizes by each of `RANK_METRICS` (tokens/s, TPOT p50, TTFT p99); per
 metric, a pair of block sizes whose measured values differ by less than the
 run-to-run noise (the widest spread of any block size's live runs) or by less
 than `RANK_TIE` is a tie and is not compared. A metric with no pair compared
-has no agreement to report (`Ranking.agreement` is None). Each live engine is
-freed before the next is built, so only one block size's pool is allocated at
-a time.
+has no agreement to report (`Ranking.agreement` is None). The live runs go
+round-robin over the block sizes (run i of every size before run i + 1 of any),
+so drift of the machine shows as run-to-run noise, not as a block-size effect;
+with `jobs` above 1 they are served by that many worker processes at once
+(`tuner.measure.processes`). Each live engine is freed before its process
+builds the next, so at most `jobs` pools are allocated at a time.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import gc
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,6 +41,7 @@ from blocktune.tuner.config.calibration import Calibration
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.live import serve_live
 from blocktune.tuner.fidelity.served_metrics import HIGHER_IS_BETTER, ServedMetrics
+from blocktune.tuner.measure.processes import map_in_processes
 from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
@@ -183,15 +188,19 @@ def validate(
     runs: int = 2,
     step_s: float | None = None,
     seed: int = 0,
+    jobs: int = 1,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Validation:
     """Serve `workload` live `runs` times and simulated once per block size (module doc).
     Requests longer than the smallest pool or the model's positions are left out.
 
     `step_s` replaces both sides' step times by a constant (a deterministic comparison
-    of their scheduling). Raises `CalibrationError` for a calibration that cannot price
+    of their scheduling). `jobs` worker processes serve the live runs at once (1: here,
+    one after another). Raises `CalibrationError` for a calibration that cannot price
     the model or a block size."""
-    from blocktune.tuner.measure.engine_measure import STEP_CLOCKS, check_clock, model_shape
+    import torch
+
+    from blocktune.tuner.measure.engine_measure import check_clock, model_shape
 
     if runs < 1:
         raise ValueError(f"need runs >= 1, got {runs}")
@@ -208,19 +217,29 @@ def validate(
         model.config.max_position_embeddings, *(server.capacity_slots(b) for b in block_sizes)
     )
     kept = workload.without_longer_than(limit)
-    checks = []
-    for block_size in served.candidates:
+    sizes = served.candidates
+    predicted = {}
+    for block_size in sizes:
         progress(f"B={block_size}: simulating")
-        predicted = ServedMetrics.of(kept, simulate(kept, server, block_size, seed=seed))
-        measured = []
-        for i in range(runs):
-            progress(f"B={block_size}: live run {i + 1} of {runs}")
-            engine = _engine(model, server, block_size, kept)
-            live = serve_live(engine, kept, step_s=step_s, timer=STEP_CLOCKS[clock], seed=seed)
-            del engine  # free this pool before the next one is allocated
-            gc.collect()
-            measured.append(ServedMetrics.of(kept, live))
-        checks.append(BlockSizeCheck(block_size, predicted, tuple(measured)))
+        run = simulate(kept, server, block_size, seed=seed)
+        predicted[block_size] = ServedMetrics.of(kept, run)
+    # Run i of every size before run i + 1 of any: drift of the machine shows as run-to-run
+    # noise rather than as a difference between block sizes.
+    order = [b for _ in range(runs) for b in sizes]
+    progress(f"{len(order)} live runs, {runs} per block size, in {jobs} process(es)")
+    measured = map_in_processes(
+        partial(_live_run, model, server, kept, step_s, clock, seed),
+        order,
+        jobs=jobs,
+        threads=torch.get_num_threads(),
+        done=lambda finished, total: progress(f"live run {finished} of {total} done"),
+    )
+    checks = [
+        BlockSizeCheck(
+            b, predicted[b], tuple(m for size, m in zip(order, measured, strict=True) if size == b)
+        )
+        for b in sizes
+    ]
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
     setup = {
         "kv_budget_bytes": int(served.kv_budget),
@@ -232,6 +251,25 @@ def validate(
         "runs": runs,
     }
     return Validation(trace=trace, setup=setup, checks=checks)
+
+
+def _live_run(
+    model: LlamaModel,
+    server: StepCostModel,
+    workload: Workload,
+    step_s: float | None,
+    clock: str,
+    seed: int,
+    block_size: int,
+) -> ServedMetrics:
+    """One live run of `workload` at `block_size`; its engine and pool are freed on return."""
+    from blocktune.tuner.measure.engine_measure import STEP_CLOCKS
+
+    engine = _engine(model, server, block_size, workload)
+    live = serve_live(engine, workload, step_s=step_s, timer=STEP_CLOCKS[clock], seed=seed)
+    del engine  # free this pool before the next one is allocated
+    gc.collect()
+    return ServedMetrics.of(workload, live)
 
 
 def _engine(model: LlamaModel, server: StepCostModel, block_size: int, workload: Workload):

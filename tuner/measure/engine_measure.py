@@ -13,7 +13,7 @@ drifts slows every size alike instead of one size more than another. A point is
   size k and every m of `admissions` with m * k within the largest chunk, alone
   and next to a decode batch (the grid's middle n and c), `repeats` times.
 
-Every timed step is a row of its own (the fit keeps the total, and the rows'
+Every timed step is a row of its own (the fit keeps their mean, and the rows'
 spread is the calibration's step spread). A step is timed by
 `STEP_CLOCKS[clock]`: the wall clock, or the calling thread's CPU time ("cpu",
 for one torch thread on a CPU), which leaves out the time the process waits
@@ -21,9 +21,12 @@ while other processes hold the cores.
 
 Each becomes a `TimedStep` with the features the simulator prices, and
 `fit_steps` fits `STEP_FORM` jointly across the block sizes. Prompts are
-seeded random token ids; the requests of a decode batch share one prompt, so
-with prefix caching their untimed admission computes it once; the first steps
-of every engine are run untimed (allocation and warm-up).
+seeded random token ids, one of its own for every request: requests that share
+a prompt share its blocks (prefix caching), and a decode step that reads the
+same blocks for every request finds them in the CPU's caches, where served
+requests each read their own (24 requests at 1000 tokens, one thread: about
+5-8 ms a step shared, 10-11 ms each with its own). The first steps of every
+engine are run untimed (allocation and warm-up).
 
 `grid_for_lengths` fits a grid to a workload: prefill chunks up to its longest
 prompt and decode contexts up to its longest request (within the model's
@@ -37,6 +40,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,6 +55,7 @@ from blocktune.tuner.config.calibration import (
 )
 from blocktune.tuner.config.policy import ModelShape
 from blocktune.tuner.measure.measure import default_grid, measure_calibration, measured_provenance
+from blocktune.tuner.measure.processes import map_in_processes
 from blocktune.tuner.measure.step_fit import TimedStep, fit_steps
 
 if TYPE_CHECKING:
@@ -122,8 +127,15 @@ def grid_for_lengths(
 ) -> EngineGrid:
     """`grid` with prefill chunks reaching the longest prompt and decode contexts reaching the
     longest request (`GRID_POINTS` each, geometric from the grid's shortest), every request
-    of the grid within `max_tokens` positions."""
+    of the grid within `max_tokens` positions.
+
+    Requests of more than `max_tokens` tokens are never served (the engine refuses them,
+    `blocktune validate` leaves them out), so they do not stretch the grid: timing prompts
+    longer than any served one only moves the fit away from the steps it prices."""
     room = max_tokens - 1 - (grid.longest - max(*grid.context_lens, *grid.prefill_chunks))
+    served = total_tokens <= max_tokens
+    if served.any():
+        prompt_tokens, total_tokens = prompt_tokens[served], total_tokens[served]
 
     def reaching(longest: int, shortest: int) -> tuple[int, ...]:
         top = max(shortest, min(int(longest), room))
@@ -174,9 +186,11 @@ def measure_engine(
     *,
     clock: str = "wall",
     seed: int = 0,
+    jobs: int = 1,
     progress: Callable[[str], None] = lambda _: None,
 ) -> EngineCalibration:
-    """Time the grid's steps of `model` (on its device, with `backend`) and fit them."""
+    """Time the grid's steps of `model` (on its device, with `backend`) and fit them; with
+    `jobs` above 1, the points are shared out to that many processes (`map_in_processes`)."""
     import torch
 
     check_clock(clock, model)
@@ -186,21 +200,21 @@ def measure_engine(
             f"the grid's requests hold up to {grid.longest} tokens, the model has {limit} "
             "positions (one more is needed): use shorter context_lens and prefill_chunks"
         )
-    rng = np.random.default_rng(seed)
-    timer = STEP_CLOCKS[clock]
-    engines = {b: _engine(model, grid, b, backend) for b in grid.block_sizes}
-    for engine in engines.values():
-        _warm_up(engine, rng)
-    points = _points(grid)
-    steps: list[TimedStep] = []
-    sizes = list(grid.block_sizes)
-    for i, point in enumerate(points):
-        if i % 10 == 0:
-            progress(f"engine steps: point {i + 1} of {len(points)} at block sizes {sizes}")
-        turn = i % len(sizes)  # rotate which size goes first
-        for block_size in sizes[turn:] + sizes[:turn]:
-            steps += point(engines[block_size], grid, rng, timer)
-    del engines
+    count = len(_points(grid))
+    if jobs == 1:
+        steps = _time_points(model, grid, backend, clock, seed, (0, range(count)), progress)
+    else:
+        sizes = list(grid.block_sizes)
+        progress(f"engine steps: {count} points at block sizes {sizes} in {jobs} processes")
+        shares = [(worker, range(worker, count, jobs)) for worker in range(jobs)]
+        timed = map_in_processes(
+            partial(_time_points, model, grid, backend, clock, seed),
+            shares,
+            jobs=jobs,
+            threads=torch.get_num_threads(),
+            done=lambda finished, total: progress(f"engine steps: {finished} of {total} timed"),
+        )
+        steps = [step for share in timed for step in share]
     fit = fit_steps(steps)
     return EngineCalibration(
         provenance=measured_provenance(
@@ -208,8 +222,9 @@ def measure_engine(
             backend,
             grid,
             "measured by `blocktune calibrate --engine` (grid points round-robin over the "
-            "block sizes); fitted jointly by non-negative least squares of the relative "
-            f"error, scaled to keep the total time: {STEP_FORM}",
+            f"block sizes, in {jobs} process(es) at once); fitted jointly by non-negative "
+            "least squares of the relative error, scaled so that measured / fitted is 1 on "
+            f"average: {STEP_FORM}",
         ),
         model=engine_model(model, name),
         threads=torch.get_num_threads(),
@@ -220,6 +235,35 @@ def measure_engine(
         depends_on_block_size=fit.depends_on_block_size,
         step_spread=fit.spread,
     )
+
+
+def _time_points(
+    model: LlamaModel,
+    grid: EngineGrid,
+    backend: str,
+    clock: str,
+    seed: int,
+    share: tuple[int, range],
+    progress: Callable[[str], None] = lambda _: None,
+) -> list[TimedStep]:
+    """Time the grid's points of `share` (a worker's number and the indices of its points)
+    at every block size, round-robin: one engine per size, warmed up first."""
+    worker, indices = share
+    rng = np.random.default_rng([seed, worker])
+    timer = STEP_CLOCKS[clock]
+    engines = {b: _engine(model, grid, b, backend) for b in grid.block_sizes}
+    for engine in engines.values():
+        _warm_up(engine, rng)
+    points = _points(grid)
+    steps: list[TimedStep] = []
+    sizes = list(grid.block_sizes)
+    for n, i in enumerate(indices):
+        if n % 10 == 0:
+            progress(f"engine steps: point {i + 1} of {len(points)} at block sizes {sizes}")
+        turn = i % len(sizes)  # rotate which size goes first
+        for block_size in sizes[turn:] + sizes[:turn]:
+            steps += points[i](engines[block_size], grid, rng, timer)
+    return steps
 
 
 def check_clock(clock: str, model: LlamaModel) -> None:
@@ -244,13 +288,12 @@ def measure_engine_calibration(
     quick: bool,
     clock: str = "wall",
     seed: int = 0,
+    jobs: int = 1,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Calibration:
     """What `calibrate --engine` writes: the kernel calibration (its `quick` grid or the full
     one) on the model's device for its attention shape and dtype, with the model's engine
-    steps timed over `grid` and fitted."""
-    from dataclasses import replace
-
+    steps timed over `grid` and fitted (in `jobs` processes)."""
     check_clock(clock, model)
     device = model.device.type
     shape = engine_model(model, name)
@@ -263,7 +306,9 @@ def measure_engine_calibration(
     )
     calibration = measure_calibration(kernel_grid, device, progress=progress)
     backend = calibration.provenance.backend
-    engine = measure_engine(model, name, grid, backend, clock=clock, seed=seed, progress=progress)
+    engine = measure_engine(
+        model, name, grid, backend, clock=clock, seed=seed, jobs=jobs, progress=progress
+    )
     for line in describe_fit(engine):
         progress(line)
     return calibration.with_engine(engine)
@@ -331,12 +376,12 @@ def _prompt(engine: Engine, rng: np.random.Generator, length: int) -> list[int]:
 
 
 def _start(engine: Engine, rng: np.random.Generator, count: int, context: int, steps: int):
-    """Admit `count` requests of one `context`-token prompt that decode `steps` more steps."""
+    """Admit `count` requests of `context`-token prompts, each its own (no shared blocks),
+    that decode `steps` more steps."""
     from blocktune.runtime.engine import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    prompt = _prompt(engine, rng, context)
-    ids = [engine.add_request(prompt, params) for _ in range(count)]
+    ids = [engine.add_request(_prompt(engine, rng, context), params) for _ in range(count)]
     engine.step()
     return ids
 
@@ -360,8 +405,6 @@ Point = Callable[["Engine", EngineGrid, np.random.Generator, Callable[[], float]
 
 def _points(grid: EngineGrid) -> list[Point]:
     """The grid's points (see the module doc), each timed at one engine by calling it."""
-    from functools import partial
-
     shortest = min(grid.context_lens)
     points: list[Point] = []
     for batch in grid.batch_sizes:

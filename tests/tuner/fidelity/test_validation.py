@@ -188,3 +188,50 @@ def test_each_ranking_metric_counts_its_own_pairs():
         "agreement": False,
     }
     assert "2 of 2 pair(s) beyond the run-to-run noise ordered alike" in format_ranking(tpot)
+
+
+def _two_sizes():
+    return Policy(
+        deployment="tiny",
+        model={"num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+               "dtype": "float32", "num_params": 1e5},
+        kv_budget=64 * 16 * SLOT_BYTES,
+        candidates=(8, 16),
+    )  # fmt: skip
+
+
+def test_live_runs_go_round_robin_over_the_block_sizes(model, monkeypatch):
+    from blocktune.tuner.fidelity import validation
+
+    served = []
+    real = validation._live_run
+
+    def recording(*args):
+        served.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(validation, "_live_run", recording)
+    workload = _workload([0.0, 0.1], [5, 9], [3, 3])
+    result = validation.validate(
+        workload, _two_sizes(), model, analytic_calibration(), (8, 16), runs=3, step_s=STEP_S
+    )
+    assert served == [8, 16, 8, 16, 8, 16]
+    assert [len(c.measured_runs) for c in result.checks] == [3, 3]
+
+
+@pytest.mark.slow
+def test_live_runs_in_two_processes_measure_what_one_process_does(model):
+    from blocktune.tuner.fidelity.validation import validate
+
+    rng = np.random.default_rng(5)
+    workload = _workload(np.sort(rng.uniform(0, 2, 12)), rng.integers(2, 40, 12), [6] * 12)
+    results = [
+        validate(workload, _two_sizes(), model, analytic_calibration(), (8, 16), step_s=STEP_S,
+                 jobs=jobs)
+        for jobs in (1, 2)
+    ]  # fmt: skip
+    for alone, shared in zip(*(r.checks for r in results), strict=True):
+        assert alone.block_size == shared.block_size
+        assert alone.measured_runs == shared.measured_runs
+        # At a constant step time the simulator admits and finishes alike.
+        assert alone.predicted == alone.measured_runs[0]

@@ -201,12 +201,12 @@ def test_a_drifting_machine_shows_no_block_size_effect_when_sizes_are_interleave
     assert not engine.depends_on_block_size
     assert engine.block_size_verdict() == B_INDEPENDENT
     assert engine.steps[8] == engine.steps[16]
-    # The fit keeps the measured total: 44 steps of 1 ms and the drift on top.
+    # Alike steps are priced at their mean: the measured total, 44 steps of 1 ms and the drift.
     total = sum(1e-3 * (1 + 0.002 * call) for call in range(2, clock.calls + 1, 2))
     assert clock.now == pytest.approx(total)
 
 
-def test_a_grid_fitted_to_a_trace_reaches_its_longest_prompt_within_the_model():
+def test_a_grid_fitted_to_a_trace_reaches_its_longest_served_prompt_within_the_model():
     import numpy as np
 
     from blocktune.tuner.measure.engine_measure import default_engine_grid, grid_for_lengths
@@ -219,6 +219,25 @@ def test_a_grid_fitted_to_a_trace_reaches_its_longest_prompt_within_the_model():
     assert len(fitted.prefill_chunks) == len(fitted.context_lens) == 4
     assert fitted.batch_sizes == grid.batch_sizes and fitted.admissions == grid.admissions
     # Within the model's positions: every request of the grid fits 2048 (one to spare).
-    capped = grid_for_lengths(grid, prompts, totals, 2048)
+    capped = grid_for_lengths(grid, np.array([12, 700, 2000]), np.array([40, 900, 2040]), 2048)
     assert capped.longest == 2047
-    assert capped.prefill_chunks[-1] == capped.context_lens[-1] < 2048
+    assert capped.prefill_chunks[-1] == 2000 and capped.context_lens[-1] < 2040
+    # A request longer than the model is never served: the grid does not reach for it.
+    served = grid_for_lengths(grid, prompts, totals, 2048)
+    assert served.prefill_chunks[-1] == 700 and served.context_lens[-1] == 900
+
+
+def test_the_grid_s_requests_hold_blocks_of_their_own():
+    """Requests sharing a prompt would share its blocks, which a decode step then reads from
+    the CPU's caches: each request of a grid point has a prompt of its own."""
+    import numpy as np
+
+    from blocktune.runtime.block_manager import blocks_for
+    from blocktune.runtime.loading import load_weights
+    from blocktune.tuner.measure import engine_measure
+
+    grid = engine_measure.default_engine_grid(quick=True, block_sizes=(8,))
+    engine = engine_measure._engine(load_weights("tiny-random", seed=0), grid, 8, "torch")
+    engine_measure._start(engine, np.random.default_rng(0), 4, 32, 2)
+    # Each holds the K/V of its 32 prompt tokens and the token it sampled gets a slot next.
+    assert engine.stats()["blocks_used"] == 4 * blocks_for(32, 8)
