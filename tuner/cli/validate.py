@@ -36,6 +36,7 @@ from blocktune.tuner.measure.processes import DEFAULT_JOBS, default_jobs
 if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
     from blocktune.tuner.config.calibration import Calibration
+    from blocktune.tuner.fidelity.validation import Validation
     from blocktune.tuner.sim.workload import Workload
 
 __all__ = ["register"]
@@ -62,11 +63,6 @@ def run_validate(args: argparse.Namespace) -> int:
         measurement_defaults,
     )
     from blocktune.tuner.fidelity.validation import validate
-    from blocktune.tuner.fidelity.validation_report import (
-        format_validation_table,
-        validation_dict,
-        write_validation,
-    )
     from blocktune.tuner.sim.workload import Workload
 
     def progress(message: str) -> None:
@@ -109,17 +105,7 @@ def run_validate(args: argparse.Namespace) -> int:
     except ValueError as error:  # every bad input: policy, trace, model, calibration
         print(f"error: {error}", file=sys.stderr)
         return 2
-    validation.trace["label"] = label
-    if args.json == "-":
-        print(json.dumps(validation_dict(validation), indent=2, allow_nan=False))
-        return 0
-    if validation.trace["too_long"]:
-        print(f"left out {validation.trace['too_long']} requests longer than the pool")
-    print(format_validation_table(validation))
-    if args.json is not None:
-        write_validation(validation, Path(args.json))
-        print(f"wrote {args.json}")
-    return 0
+    return _report(validation, label, args)
 
 
 def run_vllm_validate(args: argparse.Namespace) -> int:
@@ -128,11 +114,6 @@ def run_vllm_validate(args: argparse.Namespace) -> int:
 
     from blocktune.tuner.cli._common import load_policy_and_calibration, load_trace_or_day
     from blocktune.tuner.cli.vllm_engine import vllm_setup
-    from blocktune.tuner.fidelity.validation_report import (
-        format_validation_table,
-        validation_dict,
-        write_validation,
-    )
     from blocktune.tuner.fidelity.vllm_validation import validate_vllm
     from blocktune.tuner.measure.vllm_server import VllmStartError
     from blocktune.tuner.sim.workload import Workload
@@ -173,18 +154,33 @@ def run_vllm_validate(args: argparse.Namespace) -> int:
     except (ValueError, VllmStartError, httpx.HTTPError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    pools = validation.setup["pool_blocks"]
+    served = validation.setup["vllm_pool_blocks"]
+    blocks = "KV blocks per size, simulated / vLLM's: " + ", ".join(
+        f"B={b}: {pools[b]} / {served.get(b)}" for b in pools
+    )
+    return _report(validation, label, args, preface=(blocks,))
+
+
+def _report(
+    validation: Validation, label: str, args: argparse.Namespace, preface: tuple[str, ...] = ()
+) -> int:
+    """Print `validation` as JSON (`--json -`) or as the table, after `preface`'s lines, and
+    write `--json FILE`; 0."""
+    from blocktune.tuner.fidelity.validation_report import (
+        format_validation_table,
+        validation_dict,
+        write_validation,
+    )
+
     validation.trace["label"] = label
     if args.json == "-":
         print(json.dumps(validation_dict(validation), indent=2, allow_nan=False))
         return 0
     if validation.trace["too_long"]:
         print(f"left out {validation.trace['too_long']} requests longer than the pool")
-    pools = validation.setup["pool_blocks"]
-    served = validation.setup["vllm_pool_blocks"]
-    print(
-        "KV blocks per size, simulated / vLLM's: "
-        + ", ".join(f"B={b}: {pools[b]} / {served.get(b)}" for b in pools)
-    )
+    for line in preface:
+        print(line)
     print(format_validation_table(validation))
     if args.json is not None:
         write_validation(validation, Path(args.json))
