@@ -202,8 +202,9 @@ def format_replay_table(report: ReplayReport) -> str:
         "free; never below the best static size (where following the intervals scores less, "
         "it is the best static size)"
     )
+    swaps = report.result(ADAPTIVE).swaps
     lines.append(
-        f"adaptive: {report.result(ADAPTIVE).swaps} switches (each needs a forecast gain "
+        f"adaptive: {swaps} switch{'' if swaps == 1 else 'es'} (each needs a forecast gain "
         f"beyond the forecast's noise and min_gain, at most one per min_dwell of "
         f"{report.policy['min_dwell_s']:g} s)"
     )
