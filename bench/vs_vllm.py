@@ -28,7 +28,6 @@ import datetime
 import os
 import platform
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,8 @@ from dataclasses import dataclass
 import httpx
 import openai
 import psutil
+
+from blocktune.tuner.operations import free_port, wait_until_ready
 
 CONCURRENCY = (1, 8, 32)
 DTYPES = ("float32", "bfloat16")
@@ -149,21 +150,11 @@ class Server:
             self.url = url.rstrip("/")
 
     def wait_ready(self) -> str:
-        """Wait for `/v1/models` to answer; returns the served model's name."""
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}")
-            try:
-                reply = httpx.get(f"{self.url}/v1/models", timeout=5.0)
-                if reply.status_code == 200:
-                    return reply.json()["data"][0]["id"]
-            except httpx.HTTPError:
-                pass
-            time.sleep(1.0)
-        raise RuntimeError(
-            f"{self.name} did not answer {self.url}/v1/models in {START_TIMEOUT_S} s"
-        )
+        """Wait for `/v1/models` to answer (a server this script started); returns the served
+        model's name."""
+        if self.process is not None:
+            wait_until_ready(self.url, self.process, timeout_s=START_TIMEOUT_S, path="/v1/models")
+        return httpx.get(f"{self.url}/v1/models", timeout=5.0).json()["data"][0]["id"]
 
     def cpu_seconds(self) -> float | None:
         """User and system CPU-seconds of the server's processes so far (None for a URL)."""
@@ -188,12 +179,6 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 async def complete(client: openai.AsyncOpenAI, model: str, question: str, max_tokens: int):
