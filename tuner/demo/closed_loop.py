@@ -241,7 +241,7 @@ def _live_line(
             if interval is None
             else f"gain {interval[0]:+.1%} to {interval[1]:+.1%} over the resamples; "
         )
-        line += f"\n         decision: {gain}{point['reason']}"
+        line += f"\n         last decision: {gain}{point['reason']}"
     return line, point, new_swaps
 
 
