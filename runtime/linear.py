@@ -8,14 +8,21 @@ state dicts, tied embeddings and other devices) and packs a copy the first time 
 runs without autograd, so the weights take twice their memory; a new weight (a
 `load_state_dict`, an in-place change, another device or dtype) is packed again. On a
 GPU, in float16 and wherever oneDNN lacks the dtype it is a plain `nn.Linear`.
+
+`FusedProjections` multiplies several such layers that read the same input (a layer's
+query, key and value projections; its gate and up projections) as one product through
+one packed copy of their stacked weights: one larger matrix product instead of two or
+three small ones, its result the layers' outputs side by side.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "packs"]
+__all__ = ["FusedProjections", "PackedLinear", "packs"]
 
 
 def packs(weight: torch.Tensor) -> bool:
@@ -44,10 +51,55 @@ class PackedLinear(nn.Linear):
         weight = self.weight
         if torch.is_grad_enabled() or not packs(weight):
             return nn.functional.linear(x, weight)
-        # Inference tensors keep no version counter, but cannot change outside inference mode.
-        version = None if weight.is_inference() else weight._version
-        key = (weight.data_ptr(), weight.dtype, version)
+        key = weight_key(weight)
         if key != self._packed_key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self._packed = pack(weight)
             self._packed_key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+        return multiply(x, self._packed)
+
+
+class FusedProjections:
+    """`PackedLinear` layers that read the same input, multiplied as one product.
+
+    Calling it returns the layers' outputs side by side (`[..., sum of out_features]`),
+    as `torch.cat` of calling them one by one would. Where the layers pack (see `packs`),
+    it multiplies through one packed copy of their stacked weights, made again when any
+    of them gets a new weight; elsewhere, and with autograd on, it calls the layers. It
+    is not a module: the layers keep their weights and names.
+    """
+
+    def __init__(self, layers: Sequence[PackedLinear]) -> None:
+        self.layers = tuple(layers)
+        self._packed: torch.Tensor | None = None
+        self._packed_key: tuple | None = None
+
+    def __getstate__(self) -> dict:
+        """Pickled without the packed copy, as `PackedLinear` is."""
+        return {**self.__dict__, "_packed": None, "_packed_key": None}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights = [layer.weight for layer in self.layers]
+        if torch.is_grad_enabled() or not packs(weights[0]):
+            return torch.cat([layer(x) for layer in self.layers], dim=-1)
+        key = tuple(weight_key(weight) for weight in weights)
+        if key != self._packed_key:
+            self._packed = pack(torch.cat([weight.detach() for weight in weights]))
+            self._packed_key = key
+        return multiply(x, self._packed)
+
+
+def weight_key(weight: torch.Tensor) -> tuple:
+    """What identifies a weight's values: its storage, dtype and version."""
+    # Inference tensors keep no version counter, but cannot change outside inference mode.
+    version = None if weight.is_inference() else weight._version
+    return (weight.data_ptr(), weight.dtype, version)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A oneDNN-packed copy of `weight [out, in]`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def multiply(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """`x [..., in]` times a packed weight: `[..., out]`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")

@@ -30,7 +30,7 @@ from torch import nn
 from blocktune.kernels.cache_ops import write_kv
 from blocktune.kernels.paged_attention import decode_layout, paged_attention
 from blocktune.runtime.kv_cache import KVCache
-from blocktune.runtime.linear import PackedLinear
+from blocktune.runtime.linear import FusedProjections, PackedLinear
 
 __all__ = [
     "Llama3RopeScaling",
@@ -262,15 +262,16 @@ class Attention(nn.Module):
         self.k_proj = PackedLinear(config.hidden_size, kv_size)
         self.v_proj = PackedLinear(config.hidden_size, kv_size)
         self.o_proj = PackedLinear(q_size, config.hidden_size)
+        self.qkv = FusedProjections((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(
         self, layer: int, x: torch.Tensor, rotary: Rotary, attend: AttentionFn
     ) -> torch.Tensor:
         c = self.config
-        q = self.q_proj(x).view(-1, c.num_heads, c.head_dim)
-        k = self.k_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).view(-1, c.num_kv_heads, c.head_dim)
-        q, k = rotate(q, rotary), rotate(k, rotary)
+        heads = self.qkv(x).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        rotated = c.num_heads + c.num_kv_heads  # the query and key heads, rotated as one
+        q, k = rotate(heads[:, :rotated], rotary).split((c.num_heads, c.num_kv_heads), dim=1)
+        v = heads[:, rotated:]
         return self.o_proj(attend(layer, q, k, v).reshape(x.shape[0], -1))
 
 
@@ -282,9 +283,11 @@ class MLP(nn.Module):
         self.gate_proj = PackedLinear(config.hidden_size, config.intermediate_size)
         self.up_proj = PackedLinear(config.hidden_size, config.intermediate_size)
         self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size)
+        self.gate_up = FusedProjections((self.gate_proj, self.up_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

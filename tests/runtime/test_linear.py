@@ -1,9 +1,10 @@
-"""PackedLinear: the products of nn.Linear through a packed weight, repacked when it changes."""
+"""PackedLinear and FusedProjections: the products of nn.Linear through packed weights,
+packed again when a weight changes."""
 
 import pytest
 import torch
 
-from blocktune.runtime.linear import PackedLinear, packs
+from blocktune.runtime.linear import FusedProjections, PackedLinear, packs
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
@@ -39,6 +40,54 @@ def test_a_packed_layer_pickles_without_its_packed_copy_and_packs_again():
     with torch.inference_mode():
         before = layer(x)
     copy = pickle.loads(pickle.dumps(layer))
+    assert copy._packed is None
+    with torch.inference_mode():
+        torch.testing.assert_close(copy(x), before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
+def test_fused_projections_equal_the_layers_side_by_side_and_follow_weight_changes(dtype, atol):
+    generator = torch.Generator().manual_seed(1)
+    layers = [PackedLinear(24, n).to(dtype) for n in (40, 8, 8)]
+    fused = FusedProjections(layers)
+    x = torch.randn(5, 24, generator=generator).to(dtype)
+
+    def separately() -> torch.Tensor:
+        return torch.cat([x @ layer.weight.T for layer in layers], dim=-1)
+
+    with torch.inference_mode():
+        out = fused(x)
+        assert out.shape == (5, 56)
+        assert (fused._packed is not None) == packs(layers[0].weight)
+        torch.testing.assert_close(out, separately(), atol=atol, rtol=atol)
+        layers[1].weight.mul_(-3)  # one layer's weight changes in place
+        torch.testing.assert_close(fused(x), separately(), atol=3 * atol, rtol=3 * atol)
+    layers[2].load_state_dict({"weight": torch.randn(8, 24, generator=generator).to(dtype)})
+    with torch.inference_mode():
+        torch.testing.assert_close(fused(x), separately(), atol=atol, rtol=atol)
+
+
+def test_fused_projections_with_autograd_call_the_layers():
+    layers = [PackedLinear(8, 3), PackedLinear(8, 2)]
+    x = torch.randn(2, 8, requires_grad=True)
+    out = FusedProjections(layers)(x)
+    out.sum().backward()
+    assert out.shape == (2, 5)
+    assert x.grad is not None
+    torch.testing.assert_close(
+        x.grad, (layers[0].weight.sum(0) + layers[1].weight.sum(0)).expand(2, 8).detach()
+    )
+
+
+def test_fused_projections_pickle_without_their_packed_copy():
+    import pickle
+
+    layers = [PackedLinear(16, 8), PackedLinear(16, 4)]
+    fused = FusedProjections(layers)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        before = fused(x)
+    copy = pickle.loads(pickle.dumps(fused))
     assert copy._packed is None
     with torch.inference_mode():
         torch.testing.assert_close(copy(x), before, rtol=0, atol=0)
