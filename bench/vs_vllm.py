@@ -12,11 +12,16 @@ CPU-seconds (all its processes; only for a server it started), output tokens per
 CPU-second, and how many greedy outputs equal the other engine's in the same pair,
 with the load average; `--out` appends the tables to a Markdown file with the date.
 
+A server keeps its prefix cache between the concurrencies of a run, and the runs at 8
+and 32 send the questions the earlier ones sent, so their prompts' first blocks are
+cached where prefix caching is on. vLLM has it on by default, the worker only with
+`--enable-prefix-caching`: give both engines the same setting.
+
     python bench/vs_vllm.py \\
       --vllm ".venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model MODEL_DIR \\
               --dtype {dtype} --block-size 32 --enforce-eager --port {port}" \\
       --worker ".venv/bin/blocktune worker --model smollm2 --dtype {dtype} --block-size 32 \\
-                --kv-bytes 1GiB --port {port}" \\
+                --kv-bytes 1GiB --enable-prefix-caching --port {port}" \\
       --out bench/results/vs_vllm.md
 """
 
