@@ -32,19 +32,6 @@ def test_with_autograd_it_is_plain_linear():
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(2, 8).detach())
 
 
-def test_a_packed_layer_pickles_without_its_packed_copy_and_packs_again():
-    import pickle
-
-    layer = PackedLinear(16, 8)
-    x = torch.randn(3, 16)
-    with torch.inference_mode():
-        before = layer(x)
-    copy = pickle.loads(pickle.dumps(layer))
-    assert copy._packed is None
-    with torch.inference_mode():
-        torch.testing.assert_close(copy(x), before, rtol=0, atol=0)
-
-
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
 def test_fused_projections_equal_the_layers_side_by_side_and_follow_weight_changes(dtype, atol):
     generator = torch.Generator().manual_seed(1)
@@ -79,15 +66,22 @@ def test_fused_projections_with_autograd_call_the_layers():
     )
 
 
-def test_fused_projections_pickle_without_their_packed_copy():
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: PackedLinear(16, 8),
+        lambda: FusedProjections([PackedLinear(16, 8), PackedLinear(16, 4)]),
+    ],
+    ids=["packed-linear", "fused-projections"],
+)
+def test_pickles_without_the_packed_copy_and_packs_again(make):
     import pickle
 
-    layers = [PackedLinear(16, 8), PackedLinear(16, 4)]
-    fused = FusedProjections(layers)
+    product = make()
     x = torch.randn(3, 16)
     with torch.inference_mode():
-        before = fused(x)
-    copy = pickle.loads(pickle.dumps(fused))
+        before = product(x)
+    copy = pickle.loads(pickle.dumps(product))
     assert copy._packed is None
     with torch.inference_mode():
         torch.testing.assert_close(copy(x), before, rtol=0, atol=0)
