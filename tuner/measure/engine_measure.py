@@ -216,8 +216,8 @@ def measure_engine(
         )
         steps = [step for share in timed for step in share]
     fit = fit_steps(steps)
-    return EngineCalibration(
-        provenance=measured_provenance(
+    return fit.engine_calibration(
+        measured_provenance(
             model.device.type,
             backend,
             grid,
@@ -226,14 +226,9 @@ def measure_engine(
             "least squares of the relative error, scaled so that measured / fitted is 1 on "
             f"average: {STEP_FORM}",
         ),
-        model=engine_model(model, name),
+        engine_model(model, name),
         threads=torch.get_num_threads(),
         clock=clock,
-        steps=fit.coefficients,
-        residuals=fit.residuals,
-        standard_errors=fit.standard_errors,
-        depends_on_block_size=fit.depends_on_block_size,
-        step_spread=fit.spread,
     )
 
 

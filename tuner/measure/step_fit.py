@@ -39,7 +39,10 @@ import numpy as np
 from blocktune.tuner.config.calibration import (
     PER_SIZE_TERMS,
     SIGNIFICANCE_SE,
+    EngineCalibration,
+    EngineModel,
     FitResiduals,
+    Provenance,
     StepCoefficients,
 )
 
@@ -93,6 +96,23 @@ class StepFit:
     residuals: dict[int, FitResiduals]
     depends_on_block_size: bool
     spread: tuple[float, ...]
+
+    def engine_calibration(
+        self, provenance: Provenance, model: EngineModel, *, threads: int, clock: str = "wall"
+    ) -> EngineCalibration:
+        """The engine section of a calibration holding this fit, for `model` timed with
+        `threads` torch threads by `clock`."""
+        return EngineCalibration(
+            provenance=provenance,
+            model=model,
+            threads=threads,
+            clock=clock,
+            steps=self.coefficients,
+            residuals=self.residuals,
+            standard_errors=self.standard_errors,
+            depends_on_block_size=self.depends_on_block_size,
+            step_spread=self.spread,
+        )
 
 
 def predict_step_s(coefficients: StepCoefficients, step: TimedStep) -> float:

@@ -47,7 +47,6 @@ import numpy as np
 from blocktune.tuner.config.calibration import (
     STEP_FORM,
     Calibration,
-    EngineCalibration,
     EngineModel,
     Provenance,
     analytic_calibration,
@@ -326,16 +325,10 @@ def measure_vllm_calibration(
             "kernel, host and bandwidth sections are the analytic model's."
         ),
     )
-    engine = EngineCalibration(
-        provenance=provenance,
-        model=model,
+    engine = fit.engine_calibration(
+        provenance,
+        model,
         threads=len(os.sched_getaffinity(0)),  # vLLM's CPU build runs on every core it may
-        clock="wall",
-        steps=fit.coefficients,
-        residuals=fit.residuals,
-        standard_errors=fit.standard_errors,
-        depends_on_block_size=fit.depends_on_block_size,
-        step_spread=fit.spread,
     )
     base = analytic_calibration()
     largest = max(base.kernel)

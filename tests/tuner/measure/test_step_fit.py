@@ -149,16 +149,7 @@ def test_a_calibration_states_whether_the_step_time_depends_on_b():
     for truth, verdict in ((flat, B_INDEPENDENT), (TRUE, "the step time depends on B")):
         sizes = {b: truth if isinstance(truth, StepCoefficients) else truth[b] for b in (8, 64)}
         fit = fit_steps([s for b, c in sizes.items() for s in _grid(b, c, noise=0.02, seed=b)])
-        section = EngineCalibration(
-            provenance=ANALYTIC.provenance,
-            model=MODEL,
-            threads=1,
-            steps=fit.coefficients,
-            residuals=fit.residuals,
-            standard_errors=fit.standard_errors,
-            depends_on_block_size=fit.depends_on_block_size,
-            step_spread=fit.spread,
-        )
+        section = fit.engine_calibration(ANALYTIC.provenance, MODEL, threads=1)
         assert section.block_size_verdict().startswith(verdict)
     with pytest.raises(ValueError, match="step_spread must be"):
         EngineCalibration(**{**dict(section), "step_spread": (1.2, 0.8)})
