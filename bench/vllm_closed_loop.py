@@ -8,13 +8,20 @@ size the CPU backend refuses rolls back.
 
 The KV cache is kept small (`--kv-cache-memory-bytes`, the byte-sized form of
 `VLLM_CPU_KVCACHE_SPACE`, whose smallest value is 1 GiB) so that the block size decides how
-many requests fit at once. The script sends a phase of short chat requests
-(`--concurrency` at a time) at the initial size, asks the sidecar for a decision (the
-script never picks a size), sends the same phase again at the size in force, then a phase
-of long prompts and asks again. Each phase reports requests/s, output tokens/s, goodput
-(output tokens/s of the requests that met the latency SLO) and latency percentiles; every
-vLLM start loads the model (one to several minutes on a small CPU). Prints a Markdown
-summary.
+many requests fit at once: by default 64 MiB, 1,456 token slots of SmolLM2's 46,080 bytes,
+with `--max-model-len 1024` (vLLM refuses a cache smaller than one request of that length).
+vLLM starts at its CPU default, 128. A short chat request (a 39-40 token prompt and 24
+generated tokens) then holds a whole 128-token block, so 11 blocks hold at most 11 such
+requests; at 32 it holds two blocks of 32 and 45 blocks hold 22 of them.
+
+The script sends a phase of short chat requests (`--concurrency` at a time) at the
+initial size; the sidecar decides on its own once its window holds that many requests (the
+script never picks a size). It sends the same phase again at the size in force, then a
+phase of long prompts (about 930 tokens each) and asks the sidecar again. Each phase
+reports requests/s, output tokens/s, goodput (output tokens/s of the requests that met the
+latency SLO) and latency percentiles; every vLLM start loads the model (half a minute to
+several minutes on a small CPU). Prints a Markdown summary; the sidecar's window at each
+decision is saved beside vLLM's log, to replay the decision offline.
 """
 
 from __future__ import annotations
@@ -50,17 +57,25 @@ SMOLLM2_SHAPE = {
 }
 
 
-def vllm_command(venv: Path, port: int, kv_bytes: int) -> list[str]:
+def vllm_command(venv: Path, port: int, kv_bytes: int, max_model_len: int) -> list[str]:
     """vLLM serving SmolLM2 as `smollm2` on `port` with a KV cache of `kv_bytes`."""
     model = venv / "models" / "SmolLM2-135M-Instruct"
     extra = ["--kv-cache-memory-bytes", str(kv_bytes)]
-    return vllm_server_argv(venv, model, port=str(port), served_model_name="smollm2", extra=extra)
+    return vllm_server_argv(
+        venv,
+        model,
+        max_model_len=max_model_len,
+        port=str(port),
+        served_model_name="smollm2",
+        extra=extra,
+    )
 
 
 def policy_for(
     venv: Path,
     port: int,
     kv_bytes: int,
+    max_model_len: int,
     log_file: Path,
     calibration: Path,
     initial: int,
@@ -91,7 +106,7 @@ def policy_for(
             "actuator": {
                 "kind": "vllm_process",
                 "url": f"http://127.0.0.1:{port}",
-                "command": vllm_command(venv, port, kv_bytes),
+                "command": vllm_command(venv, port, kv_bytes, max_model_len),
                 "start_timeout": "10m",
                 "drain_timeout": "60s",
                 "log_file": str(log_file),
@@ -136,9 +151,12 @@ def phase(url: str, prompts: list[str], max_tokens: int, concurrency: int, slo_s
     }
 
 
-def wait_for(condition, timeout_s: float, what: str) -> None:
+def wait_for(condition, timeout_s: float, what: str, failed=lambda: None) -> None:
+    """Poll `condition` every second; stop with `failed()`'s reason, if it gives one."""
     deadline = time.monotonic() + timeout_s
     while not condition():
+        if (problem := failed()) is not None:
+            raise SystemExit(f"gave up waiting for {what}: {problem}")
         if time.monotonic() > deadline:
             raise SystemExit(f"timed out waiting for {what}")
         time.sleep(1)
@@ -169,6 +187,18 @@ def decide(sidecar: Sidecar, requests: int) -> tuple[str, dict | None]:
     return decision.reason, (sidecar.last_actuation if decision.switch else None)
 
 
+def save_window(sidecar: Sidecar, path: Path) -> None:
+    """The sidecar's window as it is now (what its decision just read, plus any request
+    recorded since), for replaying the decision offline."""
+    snapshot = sidecar.window.snapshot()
+    np.savez(
+        path,
+        timestamps=snapshot.timestamps,
+        prompt_tokens=snapshot.prompt_tokens,
+        output_tokens=snapshot.output_tokens,
+    )
+
+
 def actuation_line(actuation: dict | None) -> str:
     if actuation is None:
         return "no switch"
@@ -193,13 +223,21 @@ def main() -> None:
         help="the policy's calibration: one `blocktune calibrate --engine vllm` wrote "
         "(its block sizes are the candidates)",
     )
-    parser.add_argument("--initial", type=int, default=32, help="vLLM's first block size")
-    parser.add_argument("--kv-cache-mib", type=int, default=128)
-    parser.add_argument("--requests", type=int, default=64, help="short requests per phase")
+    parser.add_argument(
+        "--initial", type=int, default=128, help="vLLM's first block size (its CPU default)"
+    )
+    parser.add_argument("--kv-cache-mib", type=int, default=64)
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=1024,
+        help="vLLM refuses a KV cache smaller than one request of this many tokens",
+    )
+    parser.add_argument("--requests", type=int, default=160, help="short requests per phase")
     parser.add_argument("--long-requests", type=int, default=8)
-    parser.add_argument("--long-prompt-words", type=int, default=300)
+    parser.add_argument("--long-prompt-words", type=int, default=250)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=12)
+    parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--slo-ttft", type=float, default=60.0, help="TTFT p99 SLO [s]")
     parser.add_argument("--slo-tpot", type=float, default=3.0, help="TPOT p99 SLO [s]")
     args = parser.parse_args()
@@ -217,6 +255,7 @@ def main() -> None:
         args.venv,
         port,
         kv_bytes,
+        args.max_model_len,
         folder / "vllm.log",
         args.calibration,
         args.initial,
@@ -237,16 +276,23 @@ def main() -> None:
     sidecar.start()
     lines = []
     try:
-        wait_for(lambda: sidecar.actuator.block_size() == args.initial, 900, "vLLM to start")
+        wait_for(
+            lambda: sidecar.actuator.block_size() == args.initial,
+            900,
+            "vLLM to start",
+            failed=lambda: sidecar.actuator.down_reason,
+        )
         before_texts = [chat(url, p, 24)[2] for p in CHECK_PROMPTS]
         first = phase(url, short, args.max_tokens, args.concurrency, slo_s)
         first_reason, switched = first_decision(sidecar)
+        save_window(sidecar, folder / "window-first-decision.npz")
         wait_for(lambda: sidecar.actuator.block_size() is not None, 900, "vLLM to serve")
         after_size = sidecar.actuator.block_size()
         second = phase(url, short, args.max_tokens, args.concurrency, slo_s)
         after_texts = [chat(url, p, 24)[2] for p in CHECK_PROMPTS]
         third = phase(url, long, args.max_tokens, min(args.concurrency, len(long)), slo_s)
         long_reason, long_switch = decide(sidecar, min_samples + args.requests + len(long))
+        save_window(sidecar, folder / "window-long-decision.npz")
         long_size = sidecar.actuator.block_size()
         refused = sidecar.actuator.apply(16, long_size)
         sidecar.save_state()
@@ -258,7 +304,8 @@ def main() -> None:
             f"  actuation: {actuation_line(switched)}",
             f"decision after the long-prompt phase: {long_reason}",
             f"  actuation: {actuation_line(long_switch)}",
-            f"window: {len(sidecar.window)} requests read from vLLM's /metrics",
+            f"window: {len(sidecar.window)} requests read from vLLM's /metrics (at each "
+            f"decision in {folder}/window-*.npz)",
             f"switch cost now priced at {sidecar.metrics()['switch_cost_s']:.1f} s "
             f"(policy default {policy.switch_cost_s:.0f} s); state file restarts_s: "
             f"{[round(x, 1) for x in saved.get('restarts_s', [])]}",

@@ -196,6 +196,11 @@ class VllmProcessActuator:
                 self._down = problem
                 log_event(log, "vllm_start_failed", block_size=self._size, reason=problem)
 
+    @property
+    def down_reason(self) -> str | None:
+        """Why the server is down for good (its first start, or a rollback, failed), or None."""
+        return self._down
+
     def block_size(self) -> int | None:
         """The size the running server was started with, when it answers /health now."""
         process = self._process

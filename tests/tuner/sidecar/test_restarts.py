@@ -176,6 +176,7 @@ def test_a_server_ignoring_sigterm_is_killed_and_one_that_never_came_up_is_repor
     caplog.set_level(logging.INFO, logger="blocktune.sidecar")
     port = free_port()
     stubborn = started(supervised(port, "--ignore-sigterm", stop_timeout_s=0.5))
+    assert stubborn.down_reason is None
     process = stubborn._process
     stubborn.close()
     assert process.poll() is not None
@@ -184,6 +185,7 @@ def test_a_server_ignoring_sigterm_is_killed_and_one_that_never_came_up_is_repor
     down = started(supervised(free_port(), initial=16))
     try:
         assert down.block_size() is None
+        assert "No common block size for 16" in down.down_reason
         assert "No common block size for 16" in events(caplog, "vllm_start_failed")[0]["reason"]
         outcome = down.apply(64, 16)
         assert outcome.status == "failed" and outcome.reason.startswith("vLLM is down")
