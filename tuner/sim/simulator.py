@@ -304,6 +304,15 @@ class _Server:
                 del self.refs[key]
                 self.evictable[key] = None
 
+    def _remove_at(self, index: int) -> None:
+        """Drop the running request at `index` (what `_remove` does for one)."""
+        base, shared = self.base[index], self.shared[index]
+        self.table_blocks -= -(-(base + self.steps) // self.block_size)
+        self.sum_base -= base
+        self.sum_shared -= shared
+        self.base_counts[base % self.block_size] -= 1
+        del self.ids[index], self.base[index], self.last[index], self.shared[index]
+
     def _remove(self, keep: list[bool]) -> None:
         """Drop the running requests whose `keep` entry is false."""
         size, steps, counts = self.block_size, self.steps, self.base_counts
@@ -446,9 +455,7 @@ class _Server:
         written = self.base[index] + self.steps  # K/V written; the last token sampled has none
         self.generated[request] = written + 1 - self.prompts[request]
         self._release(request)
-        keep = [True] * len(self.ids)
-        keep[index] = False
-        self._remove(keep)
+        self._remove_at(index)
         self.waiting.appendleft(request)
         self.counters["preemptions"] += 1
 
@@ -520,14 +527,19 @@ class _Server:
 
     def _finish(self) -> None:
         """Free the requests that generated their last token in the step just run."""
-        steps, t = self.steps, self.t
-        keep = [last != steps for last in self.last]
-        finished = [request for request, kept in zip(self.ids, keep, strict=True) if not kept]
+        steps, t, last = self.steps, self.t, self.last
+        if last.count(steps) == 1:  # the common case: one request finishes
+            index = last.index(steps)
+            finished = [self.ids[index]]
+            self._remove_at(index)
+        else:
+            keep = [end != steps for end in last]
+            finished = [request for request, kept in zip(self.ids, keep, strict=True) if not kept]
+            self._remove(keep)
         for request in finished:
             self.finish[request] = t
             self.generated[request] = self.outputs[request]
             self._release(request)
-        self._remove(keep)
         if self.controller is not None:
             rows = np.array(finished, dtype=np.int64)
             self.controller.observe(rows, np.full(len(finished), t))
