@@ -173,6 +173,12 @@ class StepCoefficients(_Frozen):
     prefill_s_per_pair: float = Field(default=0.0, ge=0)
     per_admission_s: float = Field(default=0.0, ge=0)
 
+    def scaled(self, factor: float) -> StepCoefficients:
+        """Every term multiplied by `factor`: every step `factor` times as long."""
+        return self.model_copy(
+            update={name: getattr(self, name) * factor for name in type(self).model_fields}
+        )
+
 
 class FitResiduals(_Frozen):
     """How well `STEP_FORM` fits the timed steps of one block size: relative residuals

@@ -24,6 +24,15 @@ so drift of the machine shows as run-to-run noise, not as a block-size effect;
 with `jobs` above 1 they are served by that many worker processes at once
 (`tuner.measure.processes`). Each live engine is freed before its process
 builds the next, so at most `jobs` pools are allocated at a time.
+
+Near saturation a small error in the step price becomes a large one in the
+latencies: each slower step leaves more requests in flight, which makes the
+next step slower still. So every check also carries a `StepSensitivity`: how
+much the predicted TPOT p50 moves when every step takes `SENSITIVITY_SCALE`
+times as long, and the step-time scale at which the simulator's TPOT p50 equals
+the measured one (found by bisection on `StepCostModel.step_scale`). The scale
+is the calibration's error on the live steps as this workload served them; the
+TPOT error divided by it is how much the workload amplifies that error.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from __future__ import annotations
 import gc
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -49,7 +58,15 @@ from blocktune.tuner.sim.workload import Workload
 if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
 
-__all__ = ["RANK_METRICS", "BlockSizeCheck", "Ranking", "Validation", "validate"]
+__all__ = [
+    "RANK_METRICS",
+    "BlockSizeCheck",
+    "Ranking",
+    "StepSensitivity",
+    "Validation",
+    "step_sensitivity",
+    "validate",
+]
 
 
 RANK_METRICS = ("tokens_per_s", "tpot_p50_s", "ttft_p99_s")
@@ -59,6 +76,25 @@ RANK_TIE = 0.01
 tokens/s follows the arrivals, live runs repeat it exactly and block sizes differ by 0.01%."""
 
 
+SENSITIVITY_SCALE = 1.1
+"""Every step this many times as long: the step-time change a sensitivity is reported for."""
+MATCHING_SCALE_RANGE = (0.25, 4.0)
+"""The step-time scales searched for the one at which the predicted TPOT p50 is measured."""
+MATCHING_SCALE_TOLERANCE = 0.01
+"""The bisection stops when the scale is known within this fraction."""
+
+
+@dataclass(frozen=True)
+class StepSensitivity:
+    """How one block size's predicted TPOT p50 follows the step time (module docstring):
+    its relative change with every step `SENSITIVITY_SCALE` times as long, and the step-time
+    scale at which it equals the measured TPOT p50 (None outside `MATCHING_SCALE_RANGE`, or
+    without a TPOT to match)."""
+
+    tpot_p50_change: float
+    matching_step_scale: float | None
+
+
 @dataclass(frozen=True)
 class BlockSizeCheck:
     """One block size: the simulator's prediction and the live runs."""
@@ -66,6 +102,7 @@ class BlockSizeCheck:
     block_size: int
     predicted: ServedMetrics
     measured_runs: tuple[ServedMetrics, ...]
+    sensitivity: StepSensitivity | None = None
 
     @property
     def measured(self) -> ServedMetrics:
@@ -234,12 +271,14 @@ def validate(
         threads=torch.get_num_threads(),
         done=lambda finished, total: progress(f"live run {finished} of {total} done"),
     )
-    checks = [
-        BlockSizeCheck(
-            b, predicted[b], tuple(m for size, m in zip(order, measured, strict=True) if size == b)
+    checks = []
+    for b in sizes:
+        runs_of_b = tuple(m for size, m in zip(order, measured, strict=True) if size == b)
+        progress(f"B={b}: the prediction's sensitivity to the step time")
+        sensitivity = step_sensitivity(
+            kept, server, b, predicted[b], ServedMetrics.mean(runs_of_b), seed=seed
         )
-        for b in sizes
-    ]
+        checks.append(BlockSizeCheck(b, predicted[b], runs_of_b, sensitivity))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
     setup = {
         "kv_budget_bytes": int(served.kv_budget),
@@ -251,6 +290,45 @@ def validate(
         "runs": runs,
     }
     return Validation(trace=trace, setup=setup, checks=checks)
+
+
+def step_sensitivity(
+    workload: Workload,
+    server: StepCostModel,
+    block_size: int,
+    predicted: ServedMetrics,
+    measured: ServedMetrics,
+    *,
+    seed: int = 0,
+) -> StepSensitivity:
+    """The `StepSensitivity` of `predicted` (the simulation of `workload` on `server` at
+    `block_size` with `seed`) against `measured`."""
+
+    def tpot_p50(scale: float) -> float:
+        if scale == 1:
+            return predicted.tpot_p50_s
+        scaled = replace(server, step_scale=server.step_scale * scale)
+        run = simulate(workload, scaled, block_size, seed=seed)
+        return ServedMetrics.of(workload, run).tpot_p50_s
+
+    base = predicted.tpot_p50_s
+    change = tpot_p50(SENSITIVITY_SCALE) / base - 1 if base > 0 else math.nan
+    return StepSensitivity(change, _matching_scale(tpot_p50, measured.tpot_p50_s))
+
+
+def _matching_scale(tpot_p50: Callable[[float], float], target: float) -> float | None:
+    """The step-time scale at which `tpot_p50(scale)` reaches `target`: bisected in the log
+    of the scale within `MATCHING_SCALE_RANGE` (None outside it, or without a target)."""
+    low, high = MATCHING_SCALE_RANGE
+    if not target > 0 or not tpot_p50(low) <= target <= tpot_p50(high):
+        return None
+    while high / low > 1 + MATCHING_SCALE_TOLERANCE:
+        middle = math.sqrt(low * high)
+        if tpot_p50(middle) < target:
+            low = middle
+        else:
+            high = middle
+    return math.sqrt(low * high)
 
 
 def _live_run(

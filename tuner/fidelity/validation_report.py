@@ -6,8 +6,12 @@ The JSON object is ``{"trace", "setup", "results", "rankings",
 plus ``measured_runs``, ``relative_error`` and ``noise`` per metric.
 ``rankings`` has per metric of `RANK_METRICS` both orders (``predicted``,
 ``measured``, best first), ``compared_pairs`` (pairs beyond the noise),
-``agreeing_pairs`` and ``agreement`` (null when no pair was compared). Numbers
-that do not exist (an error against nothing) are null.
+``agreeing_pairs`` and ``agreement`` (null when no pair was compared). Each
+result also has ``step_sensitivity``: ``tpot_p50_change`` (the predicted TPOT
+p50's relative change with every step `SENSITIVITY_SCALE` times as long) and
+``matching_step_scale`` (the step-time scale at which the predicted TPOT p50 is
+the measured one). Numbers that do not exist (an error against nothing) are
+null.
 """
 
 from __future__ import annotations
@@ -20,12 +24,18 @@ from pathlib import Path
 
 from blocktune.tuner.config.jsonable import to_jsonable
 from blocktune.tuner.fidelity.served_metrics import METRICS
-from blocktune.tuner.fidelity.validation import Ranking, Validation
+from blocktune.tuner.fidelity.validation import (
+    MATCHING_SCALE_RANGE,
+    SENSITIVITY_SCALE,
+    Ranking,
+    Validation,
+)
 
 __all__ = [
     "GOAL_METRICS",
     "format_median_errors",
     "format_ranking",
+    "format_sensitivity",
     "format_validation_table",
     "metric_title",
     "validation_dict",
@@ -56,6 +66,7 @@ def validation_dict(validation: Validation) -> dict:
             "measured_runs": [asdict(r) for r in c.measured_runs],
             "relative_error": {m: c.error(m) for m in METRICS},
             "noise": {m: c.noise(m) for m in METRICS},
+            "step_sensitivity": None if c.sensitivity is None else asdict(c.sensitivity),
         }
         for c in validation.checks
     ]
@@ -113,11 +124,34 @@ def format_validation_table(validation: Validation) -> str:
                 f"{size:>4}  {label:<9}"
                 + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
             )
+    lines += format_sensitivity(validation)
     one_run = max(len(c.measured_runs) for c in validation.checks) < 2
     lines += [format_ranking(r, one_run=one_run) for r in validation.rankings]
     medians = {m: validation.median_abs_error(m) for m in GOAL_METRICS}
     lines.append(f"median |error| over block sizes: {format_median_errors(medians)}")
     return "\n".join(lines)
+
+
+def format_sensitivity(validation: Validation) -> list[str]:
+    """Two lines on the step time (see `validation.StepSensitivity`), none without it."""
+    checks = [c for c in validation.checks if c.sensitivity is not None]
+    if not checks:
+        return []
+    changes = ", ".join(
+        f"{_percent(c.sensitivity.tpot_p50_change)} (B={c.block_size})" for c in checks
+    )
+    low, high = MATCHING_SCALE_RANGE
+
+    def scale_text(scale: float | None) -> str:
+        return f"none in {low:g}-{high:g}x" if scale is None else f"{scale:.2f}x"
+
+    scales = ", ".join(
+        f"{scale_text(c.sensitivity.matching_step_scale)} (B={c.block_size})" for c in checks
+    )
+    return [
+        f"steps {SENSITIVITY_SCALE - 1:.0%} longer move the predicted TPOT p50 by {changes}",
+        f"the step-time scale at which the predicted TPOT p50 is the measured one: {scales}",
+    ]
 
 
 def format_median_errors(medians: Mapping[str, float | None]) -> str:

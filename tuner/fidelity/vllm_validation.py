@@ -34,7 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from blocktune.tuner.config.calibration import Calibration, CalibrationError, EngineModel
 from blocktune.tuner.config.policy import ModelShape, Policy
 from blocktune.tuner.fidelity.served_metrics import METRICS, ServedMetrics
-from blocktune.tuner.fidelity.validation import BlockSizeCheck, Validation
+from blocktune.tuner.fidelity.validation import BlockSizeCheck, Validation, step_sensitivity
 from blocktune.tuner.measure.vllm_measure import VllmClient
 from blocktune.tuner.measure.vllm_server import VllmServer
 from blocktune.tuner.sim.forecast import ServingMetrics
@@ -202,7 +202,9 @@ def validate_vllm(
             finally:
                 client.close()
             vllm_blocks[block_size] = pool.num_blocks
-        checks.append(BlockSizeCheck(block_size, predicted, tuple(measured)))
+        mean = ServedMetrics.mean(tuple(measured))
+        sensitivity = step_sensitivity(kept, server, block_size, predicted, mean, seed=seed)
+        checks.append(BlockSizeCheck(block_size, predicted, tuple(measured), sensitivity))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
     setup = {
         "kv_budget_bytes": int(served.kv_budget),

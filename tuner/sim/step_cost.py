@@ -23,7 +23,8 @@ does), the prompt's attention pairs (quadratic in a prompt's length) and a cost
 per prompt chunk (each admitted request). Whole engine steps of the policy's
 model are timed on the device and fitted jointly across block sizes; they
 replace the derived coefficients, and their spread (`step_spread`) is sampled
-per step by the simulator.
+per step by the simulator. `step_scale` multiplies every step's time (how far a
+prediction moves when the steps cost more, see `tuner.fidelity.validation`).
 """
 
 from __future__ import annotations
@@ -49,10 +50,13 @@ class StepCostModel:
     policy: Policy
     calibration: Calibration
     fixed_step_s: float | None = None
+    step_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.fixed_step_s is not None and not self.fixed_step_s > 0:
             raise ValueError(f"fixed_step_s must be a positive number, got {self.fixed_step_s}")
+        if not self.step_scale > 0:
+            raise ValueError(f"step_scale must be a positive number, got {self.step_scale}")
         if self.calibration.engine is not None:
             self.calibration.engine.require_model(self.policy.model)
 
@@ -74,7 +78,12 @@ class StepCostModel:
         return self.capacity_slots(block_size) // block_size
 
     def step_cost(self, block_size: int) -> StepCoefficients:
-        """The step-time coefficients at `block_size` (see the module docstring) [s]."""
+        """The step-time coefficients at `block_size` (see the module docstring) [s], times
+        `step_scale`."""
+        coefficients = self._step_cost(block_size)
+        return coefficients if self.step_scale == 1 else coefficients.scaled(self.step_scale)
+
+    def _step_cost(self, block_size: int) -> StepCoefficients:
         if self.fixed_step_s is not None:
             return StepCoefficients(
                 fixed_s=self.fixed_step_s,

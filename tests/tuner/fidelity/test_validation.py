@@ -235,3 +235,45 @@ def test_live_runs_in_two_processes_measure_what_one_process_does(model):
         assert alone.measured_runs == shared.measured_runs
         # At a constant step time the simulator admits and finishes alike.
         assert alone.predicted == alone.measured_runs[0]
+
+
+def test_the_step_sensitivity_finds_the_step_scale_that_matches_the_measured_tpot():
+    from dataclasses import replace
+
+    from blocktune.tuner.fidelity.validation import step_sensitivity
+    from blocktune.tuner.fidelity.validation_report import format_sensitivity
+
+    rng = np.random.default_rng(3)
+    workload = _workload(np.sort(rng.uniform(0, 4, 20)), rng.integers(4, 60, 20), [9] * 20)
+    server = _server(200)
+    predicted = ServedMetrics.of(workload, simulate(workload, server, 8))
+    assert predicted.tpot_p50_s == STEP_S  # one token per step of a constant time
+    # Steps 1.3x as long make every TPOT 1.3x: the search finds that scale within 1%.
+    slower = replace(server, step_scale=1.3)
+    measured = ServedMetrics.of(workload, simulate(workload, slower, 8))
+    sensitivity = step_sensitivity(workload, server, 8, predicted, measured)
+    assert sensitivity.tpot_p50_change == pytest.approx(0.1)
+    assert sensitivity.matching_step_scale == pytest.approx(1.3, rel=0.01)
+    # A TPOT no scale in 0.25-4x gives: no scale, and the report says so.
+    far = replace(measured, tpot_p50_s=10 * STEP_S)
+    assert step_sensitivity(workload, server, 8, predicted, far).matching_step_scale is None
+    check = BlockSizeCheck(
+        8, predicted, (far,), step_sensitivity(workload, server, 8, predicted, far)
+    )
+    validation = Validation(trace={}, setup={}, checks=[check])
+    assert format_sensitivity(validation) == [
+        "steps 10% longer move the predicted TPOT p50 by +10.0% (B=8)",
+        "the step-time scale at which the predicted TPOT p50 is the measured one: "
+        "none in 0.25-4x (B=8)",
+    ]
+    assert validation_dict(validation)["results"][0]["step_sensitivity"] == {
+        "tpot_p50_change": pytest.approx(0.1),
+        "matching_step_scale": None,
+    }
+
+
+def test_a_step_scale_must_be_positive():
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="step_scale must be a positive number"):
+        replace(_server(10), step_scale=0.0)
