@@ -19,7 +19,10 @@ recommends a switch only when
    flips back. Where the size in force cannot serve the observed load within
    the SLO (capacity below 1x) every capacity is on the search's floor, so the
    candidates are ranked by what they still serve: their token rate when
-   saturated (`ranked_by` says which);
+   saturated (`ranked_by` says which). Where it serves the load with less
+   margin than `min_gain` (`at_the_edge`), a backlog builds or not on a fraction
+   of a percent of capacity, so there the bar is the challenger search's
+   resolution (`CHALLENGER_TOLERANCE`) instead of `min_gain`;
 3. the last applied switch (`record_switch`) is at least `policy.min_dwell`
    old (no flapping);
 4. the gain pays for the switch: the gain interval's low end x max(min_dwell,
@@ -48,6 +51,7 @@ from blocktune.tuner.config.jsonable import to_jsonable
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.sim.cost_model import ArticleHeuristic, CandidateCost, CostModel
 from blocktune.tuner.sim.forecast import (
+    CHALLENGER_TOLERANCE,
     SUSTAINED,
     Forecast,
     Forecaster,
@@ -283,7 +287,9 @@ class Selector:
             )
         ]
         interval = noise_interval(np.array(gains), gain)
-        material = challenger.block_size != current and interval[0] > policy.min_gain
+        edge = quantity == "capacity" and at_the_edge(by_size[current], policy.min_gain)
+        bar = CHALLENGER_TOLERANCE if edge else policy.min_gain
+        material = challenger.block_size != current and interval[0] > bar
         base.update(
             forecasts=forecasts,
             material=material,
@@ -298,18 +304,25 @@ class Selector:
             if quantity == SUSTAINED
             else ""
         )
+        if edge:
+            low, high = by_size[current].capacity_interval
+            overloaded = (
+                f"at the edge of the SLO (B={current} serves {low:.3g}-{high:.3g}x the observed "
+                f"load, less margin than min_gain {policy.min_gain:.0%}), where any capacity "
+                f"gain keeps requests within it: the bar is {bar:.1%}; "
+            )
         if not material:
             decision["block_size"] = current
             reason = overloaded + _why_keep(
-                current, challenger.block_size, quantity, gain, interval, policy.min_gain
+                current, challenger.block_size, quantity, gain, interval, bar
             )
             return Decision(switch=False, reason=reason, **decision, **base)
         cost = self.cost_model.switch_cost_s()
         base["switch_cost_s"] = cost
         better = (
             f"{overloaded}B={challenger.block_size} is {_span(interval)} better on {quantity} "
-            f"({_describe(quantity, challenger)}), beyond the forecast's noise and min_gain "
-            f"{policy.min_gain:.0%}"
+            f"({_describe(quantity, challenger)}), beyond the forecast's noise and "
+            + (f"the bar {bar:.1%}" if edge else f"min_gain {policy.min_gain:.0%}")
         )
         if self._last_switch is not None and now - self._last_switch < self._min_dwell_s:
             reason = (
@@ -332,6 +345,14 @@ class Selector:
     @property
     def _min_dwell_s(self) -> float:
         return self.policy.min_dwell.total_seconds()
+
+
+def at_the_edge(forecast: Forecast, min_gain: float) -> bool:
+    """Whether `forecast`'s size serves the observed load within the SLO with less margin than
+    `min_gain`: its capacity is at least 1x, the low end of its interval below 1 + min_gain.
+    There a backlog builds or not on a fraction of a percent of capacity, so a smaller gain
+    than `min_gain` already keeps many requests within the SLO."""
+    return forecast.capacity >= 1.0 and forecast.capacity_interval[0] < 1.0 + min_gain
 
 
 def _describe(quantity: str, forecast: Forecast) -> str:

@@ -243,3 +243,31 @@ def test_overloaded_the_sizes_are_ranked_by_what_they_still_serve():
     kept = _decide_with(same, 16)
     assert not kept.material and kept.recommended_block_size == 16
     assert "nan" not in kept.reason
+
+
+def test_at_the_edge_of_the_slo_a_gain_under_min_gain_beyond_the_noise_switches():
+    """B=16 serves 1.00-1.09x the load (less margin than min_gain) and B=128 0.8% more on every
+    resample: under min_gain, but there it keeps requests within the SLO, so it is material
+    and the reason says why. The same gain with ample capacity keeps 16; from 128, 16 is worse
+    (no flip back)."""
+    edge = [
+        _forecast(16, 1.05, [1.0, 1.05, 1.09]),
+        _forecast(128, 1.0584, [1.008, 1.0584, 1.0987]),
+        *(_forecast(b, 1.0, [1.0] * 3) for b in (8, 32, 64)),
+    ]
+    decision = _decide_with(edge, 16)
+    assert decision.gain == pytest.approx(0.008)
+    assert 0 < decision.gain_interval[0] < DEFAULT.min_gain
+    assert decision.switch and decision.material and decision.block_size == 128
+    assert "at the edge of the SLO (B=16 serves 1.01-1.08x" in decision.reason
+    assert decision.reason.endswith("beyond the forecast's noise and the bar 0.5%")
+    ample = [
+        _forecast(16, 3.15, [3.0, 3.15, 3.27]),
+        _forecast(128, 3.1752, [3.024, 3.1752, 3.2962]),
+        *(_forecast(b, 3.0, [3.0] * 3) for b in (8, 32, 64)),
+    ]
+    kept = _decide_with(ample, 16)
+    assert not kept.material and kept.recommended_block_size == 16
+    assert "every candidate is within 2% of B=16" in kept.reason
+    back = _decide_with(edge, 128)
+    assert not back.switch and back.recommended_block_size == 128
