@@ -298,29 +298,29 @@ class Selector:
             ranked_by=quantity,
         )
         decision = {"block_size": challenger.block_size, "prior_block_size": prior}
-        overloaded = (
-            f"overloaded (B={current} serves {by_size[current].capacity:.2g}x the observed load "
-            f"within the SLO): ranking by {SUSTAINED}; "
-            if quantity == SUSTAINED
-            else ""
-        )
-        if edge:
+        regime = ""  # how the sizes were compared, where that is not the plain rule
+        if quantity == SUSTAINED:
+            regime = (
+                f"overloaded (B={current} serves {by_size[current].capacity:.2g}x the observed "
+                f"load within the SLO): ranking by {SUSTAINED}; "
+            )
+        elif edge:
             low, high = by_size[current].capacity_interval
-            overloaded = (
+            regime = (
                 f"at the edge of the SLO (B={current} serves {low:.3g}-{high:.3g}x the observed "
                 f"load, less margin than min_gain {policy.min_gain:.0%}), where any capacity "
                 f"gain keeps requests within it: the bar is {bar:.1%}; "
             )
         if not material:
             decision["block_size"] = current
-            reason = overloaded + _why_keep(
+            reason = regime + _why_keep(
                 current, challenger.block_size, quantity, gain, interval, bar
             )
             return Decision(switch=False, reason=reason, **decision, **base)
         cost = self.cost_model.switch_cost_s()
         base["switch_cost_s"] = cost
         better = (
-            f"{overloaded}B={challenger.block_size} is {_span(interval)} better on {quantity} "
+            f"{regime}B={challenger.block_size} is {_span(interval)} better on {quantity} "
             f"({_describe(quantity, challenger)}), beyond the forecast's noise and "
             + (f"the bar {bar:.1%}" if edge else f"min_gain {policy.min_gain:.0%}")
         )

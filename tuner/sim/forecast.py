@@ -52,7 +52,7 @@ its capacity on the sample, the challenger's from the size in force's on the
 same resample times their ratio on the sample, by steps of that tolerance; its
 saturated token rate; its TTFT p99 at headroom), every candidate on the same
 resamples, so that a comparison of two sizes is paired.
-`Forecast.capacity_interval` is the `INTERVAL_QUANTILES` range of a
+`Forecast.capacity_interval` is the `INTERVAL_PERCENTILES` range of a
 candidate's resampled capacities; the selector takes the same range of the
 per-resample gains for `gain_interval`.
 """
@@ -123,8 +123,8 @@ docstring)."""
 BOOTSTRAP_SEED = 0
 """The resamples' seed: the same window always gives the same intervals."""
 
-INTERVAL_QUANTILES = (0.1, 0.9)
-"""The quantiles of the resampled values that bound a reported interval."""
+INTERVAL_PERCENTILES = (10.0, 90.0)
+"""The percentiles of the resampled values that bound a reported interval."""
 
 MARGIN_STEP_LIMIT = 2.0
 """The largest first step of a search that the SLO margin may suggest (see `_slope`)."""
@@ -314,12 +314,12 @@ def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
 
 
 def noise_interval(values: np.ndarray, point: float) -> tuple[float, float]:
-    """The `INTERVAL_QUANTILES` range of the resampled `values`, widened to hold the sample's
+    """The `INTERVAL_PERCENTILES` range of the resampled `values`, widened to hold the sample's
     own `point` estimate (a heavy-tailed sample, whose p99 rests on one or two requests, can
     fall outside its resamples' range)."""
     if not len(values):
         return (point, point)
-    low, high = percentiles(values, tuple(100 * q for q in INTERVAL_QUANTILES))
+    low, high = percentiles(values, INTERVAL_PERCENTILES)
     return (min(float(low), point), max(float(high), point))
 
 
