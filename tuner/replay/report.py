@@ -18,7 +18,11 @@ from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE
 from blocktune.tuner.config.jsonable import to_jsonable
 from blocktune.tuner.config.text_table import text_table
 from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayReport, static_name
-from blocktune.tuner.sim.forecast import ServingMetrics, goal_higher_is_better
+from blocktune.tuner.sim.forecast import (
+    CHALLENGER_TOLERANCE,
+    ServingMetrics,
+    goal_higher_is_better,
+)
 
 __all__ = [
     "RESULT_KEYS",
@@ -205,8 +209,8 @@ def format_replay_table(report: ReplayReport) -> str:
     swaps = report.result(ADAPTIVE).swaps
     lines.append(
         f"adaptive: {swaps} switch{'' if swaps == 1 else 'es'} (each needs a forecast gain "
-        f"beyond the forecast's noise and min_gain, at most one per min_dwell of "
-        f"{report.policy['min_dwell_s']:g} s)"
+        f"beyond the forecast's noise and min_gain, or {CHALLENGER_TOLERANCE:.1%} at the edge "
+        f"of the SLO, at most one per min_dwell of {report.policy['min_dwell_s']:g} s)"
     )
     spread = ratios["static_spread_goal"] - 1
     if spread < report.policy["min_gain"]:
