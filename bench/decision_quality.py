@@ -7,8 +7,9 @@ under `--policy` (every static size, the adaptive tuner and the oracle, as
 
 - fills: whether static-16's peak KV reaches 95% of the budget;
 - spread: the best static size over the worst on the goal (SLO goodput), or
-  on tokens/s where a static size serves no request within the SLO (marked
-  ``tok/s``);
+  on tokens/s where the replay compares tokens/s (marked ``tok/s``: a static
+  size serves no request within the SLO, or none serves a tenth of them,
+  `objective.OVERLOAD_SHARE`);
 - best: the hindsight-best static size, and its gain over static-16;
 - adaptive over the best static size, over static-16 and over the oracle;
 - swaps of the adaptive tuner; the recommended size, `material` and the
@@ -230,7 +231,7 @@ def main() -> None:
     lines = [
         f"# Decision quality ({datetime.date.today().isoformat()})",
         "",
-        f"Command: `python bench/decision_quality.py {' '.join(sys.argv[1:])}`".rstrip() + "; "
+        f"Command: `{' '.join(['python bench/decision_quality.py', *sys.argv[1:]])}`; "
         f"policy `{args.policy}` ({base.deployment}, candidates {list(base.candidates)}, "
         f"interval {base.interval.total_seconds():g} s, min_dwell "
         f"{base.min_dwell.total_seconds():g} s, min_gain {base.min_gain:.0%}); load average "

@@ -24,6 +24,7 @@ adaptive policy's.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,7 +36,21 @@ from blocktune.tuner.sim.forecast import goal_higher_is_better
 from blocktune.tuner.sim.simulator import Run
 from blocktune.tuner.sim.workload import Workload
 
-__all__ = ["GoalScores", "IntervalCosts", "goal_value", "within_slo"]
+__all__ = [
+    "OVERLOAD_SHARE",
+    "GoalScores",
+    "IntervalCosts",
+    "goal_value",
+    "overloaded",
+    "tokens_per_s",
+    "within_slo",
+]
+
+OVERLOAD_SHARE = 0.1
+"""Where every static size serves fewer than this share of a trace's requests within the SLO,
+the server is overloaded whatever the block size: a backlog builds from the first minutes and
+the SLO goodput counts only the few requests served before it, so the sizes are compared on
+what each still serves, tokens/s (as the decision's overload fallback ranks them)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +187,19 @@ class GoalScores:
                     current = preferred
             best[i] = current
         return best
+
+
+def overloaded(runs: Iterable[Run], workload: Workload, slo: SloSettings) -> bool:
+    """Whether the static `runs` of a capacity goal leave no goodput to compare: one of them
+    serves no request within the SLO, or every one fewer than `OVERLOAD_SHARE` of them."""
+    shares = [float(within_slo(run, workload, slo).mean()) for run in runs]
+    return min(shares) == 0 or max(shares) < OVERLOAD_SHARE
+
+
+def tokens_per_s(run: Run, workload: Workload) -> float:
+    """A run's generated tokens per second, from the first arrival to the last finish."""
+    span = float(np.max(run.finish_s)) - float(workload.arrival_s[0])
+    return float(run.generated.sum()) / span if span > 0 else float("nan")
 
 
 def goal_value(goal: str, run: Run, workload: Workload, slo: SloSettings) -> float:

@@ -17,6 +17,7 @@ from pathlib import Path
 from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE
 from blocktune.tuner.config.jsonable import to_jsonable
 from blocktune.tuner.config.text_table import text_table
+from blocktune.tuner.replay.objective import OVERLOAD_SHARE
 from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayReport, static_name
 from blocktune.tuner.sim.forecast import (
     CHALLENGER_TOLERANCE,
@@ -99,11 +100,9 @@ def goal_ratio(goal: str, value: float, reference: float) -> float:
 
 def compared_on(report: ReplayReport) -> str:
     """What `comparisons` ranks the policies on: ``goal``, or ``tokens_per_s`` where a static
-    size serves no request within the SLO (a goodput of 0, so no goal ratio exists)."""
-    statics = [r for r in report.results if r.block_size is not None]
-    if report.policy["goal"] == "capacity" and not all(r.goal_value > 0 for r in statics):
-        return "tokens_per_s"
-    return "goal"
+    size serves no request within the SLO, or every one fewer than `OVERLOAD_SHARE` of them
+    (the goodput then counts only the requests served before the backlog built)."""
+    return report.compared_on
 
 
 def comparisons(report: ReplayReport) -> dict[str, float]:
@@ -113,7 +112,8 @@ def comparisons(report: ReplayReport) -> dict[str, float]:
     ``adaptive_vs_static16_goal``, ``static_spread_goal`` (best over worst static size),
     ``adaptive_vs_oracle_objective``, ``adaptive_vs_static16_objective``,
     ``adaptive_vs_static16_peak_kv`` and ``adaptive_vs_static16_tokens_per_s``. Where every
-    static goodput is 0 the ``*_goal`` ratios compare tokens/s instead (`compared_on`)."""
+    static goodput is 0, or every one is that of an overloaded server, the ``*_goal`` ratios
+    compare tokens/s instead (`compared_on`)."""
     goal = report.policy["goal"]
     if compared_on(report) == "tokens_per_s":
         goal = "capacity"
@@ -191,8 +191,9 @@ def format_replay_table(report: ReplayReport) -> str:
     if compared_on(report) == "tokens_per_s":
         on = "tokens/s"
         lines.append(
-            "a static size serves no request within the SLO (goodput 0): the policies are "
-            "compared on tokens/s, what each still serves"
+            "overloaded at every block size (a static size serves no request within the SLO, "
+            f"or none serves {OVERLOAD_SHARE:.0%} of them): the policies are compared on "
+            "tokens/s, what each still serves"
         )
     line = (
         f"adaptive on {on}: {ratios['adaptive_vs_best_static_goal']:.4f} x the best static "

@@ -47,7 +47,14 @@ from blocktune.tuner.config.calibration import Calibration, device_mismatch
 from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE
 from blocktune.tuner.config.policy import Policy, nearest_power_of_two
 from blocktune.tuner.replay.controllers import AdaptiveController, OracleController, TimelinePoint
-from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, goal_value, within_slo
+from blocktune.tuner.replay.objective import (
+    GoalScores,
+    IntervalCosts,
+    goal_value,
+    overloaded,
+    tokens_per_s,
+    within_slo,
+)
 from blocktune.tuner.sim.forecast import ServingMetrics, goal_higher_is_better, relative_gain
 from blocktune.tuner.sim.simulator import Controller, Run, simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
@@ -69,6 +76,8 @@ __all__ = [
 
 ADAPTIVE = "adaptive"
 ORACLE = "oracle"
+TOKENS_PER_S = "tokens_per_s"
+"""`ReplayReport.compared_on` where the policies are compared on tokens/s."""
 MAX_INTERVALS = 1_000_000  # the objective keeps a row per decision interval of trace time
 
 
@@ -147,6 +156,9 @@ class ReplayReport:
     runs: dict[str, Run] = field(repr=False)
     warnings: list[str] = field(default_factory=list)
     fidelity: dict | None = None
+    compared_on: str = "goal"
+    """What the policies are compared on: ``goal``, or ``tokens_per_s`` where the static runs
+    leave no goodput to compare (`ReplayPlan.compared_on`)."""
 
     def result(self, name: str) -> PolicyResult:
         """The result of the policy called `name` (KeyError if absent)."""
@@ -220,18 +232,33 @@ class ReplayPlan:
         scores = GoalScores.of(
             policy.goal, static, self.workload, self.costs.interval_s, policy.slo
         )
-        return scores.best_schedule(self._best_static(played))
+        return scores.best_schedule(self._best_static(played, self.compared_on(played)))
 
-    def _best_static(self, played: Mapping[str, Played]) -> int:
-        """The static size that scores best on the policy goal (ties to the smaller)."""
+    def _best_static(self, played: Mapping[str, Played], on: str = "goal") -> int:
+        """The static size that scores best `on` the policy goal or ``tokens_per_s`` (see
+        `compared_on`; ties to the smaller)."""
         policy = self.policy
-        sign = 1 if goal_higher_is_better(policy.goal) else -1
+        sign = 1 if on == TOKENS_PER_S or goal_higher_is_better(policy.goal) else -1
 
         def score(size: int) -> float:
-            run = played[static_name(size)].run
-            return sign * goal_value(policy.goal, run, self.workload, policy.slo)
+            return sign * self._value(on, played[static_name(size)].run)
 
         return max(policy.candidates, key=lambda size: (score(size), -size))
+
+    def _value(self, on: str, run: Run) -> float:
+        """A run's score on the goal or on ``tokens_per_s``."""
+        if on == TOKENS_PER_S:
+            return tokens_per_s(run, self.workload)
+        return goal_value(self.policy.goal, run, self.workload, self.policy.slo)
+
+    def compared_on(self, played: Mapping[str, Played]) -> str:
+        """What the policies are compared on: the ``goal``, or ``tokens_per_s`` where the static
+        runs of a capacity goal leave no goodput to compare (`objective.overloaded`)."""
+        policy = self.policy
+        static = (played[static_name(size)].run for size in policy.candidates)
+        if policy.goal == "capacity" and overloaded(static, self.workload, policy.slo):
+            return TOKENS_PER_S
+        return "goal"
 
     def play_oracle(self, schedule: np.ndarray, *, progress: bool = False) -> Played:
         """Simulate the oracle following `schedule` (from `oracle_schedule`), swapping free."""
@@ -259,14 +286,16 @@ class ReplayPlan:
         played = dict(played)
         schedule = self.oracle_schedule(played)
         notes = []
-        best = self._best_static(played)
-        goal, slo = self.policy.goal, self.policy.slo
-        followed = goal_value(goal, played[ORACLE].run, self.workload, slo)
-        static = goal_value(goal, played[static_name(best)].run, self.workload, slo)
+        on = self.compared_on(played)
+        best = self._best_static(played, on)
+        goal = "capacity" if on == TOKENS_PER_S else self.policy.goal
+        followed = self._value(on, played[ORACLE].run)
+        static = self._value(on, played[static_name(best)].run)
         if relative_gain(goal, followed, static) < 0:
+            what = "tokens/s" if on == TOKENS_PER_S else "the goal"
             notes.append(
                 f"oracle: the best size of each interval, followed, scored "
-                f"{relative_gain(goal, followed, static):+.2%} against static-{best} on the goal "
+                f"{relative_gain(goal, followed, static):+.2%} against static-{best} on {what} "
                 f"(sizes interact across interval boundaries), so the oracle is static-{best}"
             )
             played[ORACLE] = played[static_name(best)]
@@ -280,6 +309,7 @@ class ReplayPlan:
             results=results,
             timeline=played[ADAPTIVE].timeline,
             oracle_schedule=schedule,
+            compared_on=on,
             interval_s=self.costs.interval_s,
             workload=self.workload,
             runs=runs,

@@ -13,7 +13,12 @@ from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.config.calibration import analytic_calibration
 from blocktune.tuner.config.policy import Policy, load_policy
 from blocktune.tuner.replay.controllers import DECISION_TICKS
-from blocktune.tuner.replay.objective import GoalScores, IntervalCosts, within_slo
+from blocktune.tuner.replay.objective import (
+    OVERLOAD_SHARE,
+    GoalScores,
+    IntervalCosts,
+    within_slo,
+)
 from blocktune.tuner.replay.plots import PLOT_FILES, write_plots
 from blocktune.tuner.replay.report import RESULT_KEYS, comparisons, format_replay_table, report_dict
 from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayError, replay, static_name
@@ -353,6 +358,60 @@ def test_an_overloaded_replay_names_the_offered_and_served_rates():
     share = within_slo(report.runs[best.policy], report.workload, policy.slo).mean()
     assert share < 0.9
     assert short.startswith(f"even the best static size ({best.policy}) serves only {share:.0%}")
+
+
+def _short_pool_trace(requests: int, span_s: float) -> tuple[pd.DataFrame, Policy]:
+    """`requests` of 200-400 prompt and 50-100 output tokens over `span_s`, on a 64 MiB pool."""
+    rng = np.random.default_rng(1)
+    frame = pd.DataFrame(
+        {
+            "arrival_s": np.sort(rng.uniform(0, span_s, requests)),
+            "prompt_tokens": rng.integers(200, 400, requests),
+            "output_tokens": rng.integers(50, 100, requests),
+        }
+    )
+    return frame, Policy.model_validate({**POLICY.model_dump(), "kv_budget": "64MiB"})
+
+
+def test_where_no_size_serves_a_tenth_within_the_slo_the_report_compares_tokens_per_s():
+    """240 requests in 10 minutes on a 64 MiB pool: every static size serves a few of them
+    (1-3%) within the SLO, before the backlog builds; their goodputs are not compared, the
+    tokens/s are, the table says why, and the oracle is not below the best on tokens/s."""
+    frame, policy = _short_pool_trace(240, 600.0)
+    report = replay(frame, policy, CALIBRATION)
+    statics = [r for r in report.results if r.block_size is not None]
+    shares = [
+        within_slo(report.runs[r.policy], report.workload, policy.slo).mean() for r in statics
+    ]
+    assert min(shares) > 0 and max(shares) < OVERLOAD_SHARE
+    assert report.compared_on == "tokens_per_s"
+    best = max(r.tokens_per_s for r in statics)
+    ratios = comparisons(report)
+    assert ratios["adaptive_vs_best_static_goal"] == pytest.approx(
+        report.result(ADAPTIVE).tokens_per_s / best
+    )
+    assert ratios["static_spread_goal"] == pytest.approx(
+        best / min(r.tokens_per_s for r in statics)
+    )
+    assert report.result(ORACLE).tokens_per_s >= best
+    assert "overloaded at every block size" in format_replay_table(report)
+
+
+def test_where_a_size_serves_a_tenth_within_the_slo_the_report_compares_the_goal():
+    """125 requests in the same 10 minutes: 30-34% within the SLO, so goodput is compared."""
+    frame, policy = _short_pool_trace(125, 600.0)
+    report = replay(frame, policy, CALIBRATION)
+    statics = [r for r in report.results if r.block_size is not None]
+    shares = [
+        within_slo(report.runs[r.policy], report.workload, policy.slo).mean() for r in statics
+    ]
+    assert min(shares) > OVERLOAD_SHARE
+    assert report.compared_on == "goal"
+    best = max(r.goal_value for r in statics)
+    assert comparisons(report)["adaptive_vs_best_static_goal"] == pytest.approx(
+        report.result(ADAPTIVE).goal_value / best
+    )
+    assert "overloaded at every block size" not in format_replay_table(report)
 
 
 def test_a_trace_shorter_than_one_interval_warns_that_the_tuner_never_decided():
