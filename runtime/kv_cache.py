@@ -12,6 +12,9 @@ Memory (the source article's formula omits layers and GQA):
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 __all__ = ["KVCache", "kv_bytes", "slots_for_budget"]
@@ -37,6 +40,17 @@ def slots_for_budget(
     return budget_bytes // per_slot // align * align
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor. On a CPU its memory comes from calloc (numpy's `zeros`), which maps
+    the system's zero pages lazily: a pool takes memory, and the time to clear it, only where
+    K/V are written, not its whole budget at start-up (a 3.5 GiB pool otherwise costs seconds
+    of page faults and all of its memory before the first request)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCache:
     """K and V of every layer as flat slot tensors `[num_slots, num_kv_heads, head_dim]`."""
 
@@ -59,8 +73,8 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, device) for _ in range(num_layers)]
 
     @classmethod
     def from_budget(
