@@ -37,3 +37,19 @@ def test_from_budget_sizes_the_pool():
     assert cache.nbytes <= 64 * 1024
     with pytest.raises(ValueError, match="holds no block"):
         KVCache.from_budget(100, 2, 2, 16, align=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_pool_starts_zeroed_in_its_dtype_with_every_tensor_its_own_memory(dtype):
+    """On a CPU the pool's memory comes from calloc: zero, of the dtype and shape asked for,
+    contiguous and writable, and no two of its tensors share a byte."""
+    cache = KVCache(num_layers=2, num_kv_heads=3, head_dim=8, num_slots=40, dtype=dtype)
+    tensors = [*cache.k, *cache.v]
+    for tensor in tensors:
+        assert tensor.dtype == dtype and tensor.shape == (40, 3, 8) and tensor.is_contiguous()
+        assert torch.count_nonzero(tensor) == 0
+    cache.k[0][5] = 2.0
+    assert torch.count_nonzero(cache.k[0]) == 3 * 8
+    assert all(torch.count_nonzero(t) == 0 for t in tensors[1:])
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
