@@ -48,8 +48,8 @@ from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.config.calibration import calibration_for
 from blocktune.tuner.config.policy import load_policy, policy_path
 from blocktune.tuner.core.recommendation import recommend
-from blocktune.tuner.replay.report import compared_on, comparisons
-from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, replay, static_name
+from blocktune.tuner.replay.report import comparisons
+from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, TOKENS_PER_S, replay, static_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_TRACES = ROOT.parent / "shared" / "traces"
@@ -124,11 +124,11 @@ def run_case(name: str, frame: pd.DataFrame, base, budget: str, rate: float) -> 
     seconds = time.perf_counter() - start
     decision, _, _ = recommend(scaled, policy, calibration, current_block_size=16)
     ratios = comparisons(report)
-    on = compared_on(report)
+    on = report.compared_on
 
     def value(policy_name: str) -> float:
         result = report.result(policy_name)
-        return result.tokens_per_s if on == "tokens_per_s" else result.goal_value
+        return result.tokens_per_s if on == TOKENS_PER_S else result.goal_value
 
     statics = {size: value(static_name(size)) for size in policy.candidates}
     best = max(statics, key=lambda size: (statics[size], -size))
@@ -165,7 +165,7 @@ def table(cases: list[Case]) -> list[str]:
     )
     lines = [head, "|" + " --- |" * 15]
     for c in cases:
-        spread = f"{c.spread:.2%}" + (" tok/s" if c.on == "tokens_per_s" else "")
+        spread = f"{c.spread:.2%}" + (" tok/s" if c.on == TOKENS_PER_S else "")
         lines.append(
             f"| {c.trace} | {c.budget} | {c.rate:g}x | {'yes' if c.fills else 'no'} | {spread} "
             f"| {c.best} ({c.best_gain:+.2%}) | {c.vs_best:.4f} | {c.vs_16:.4f} | "

@@ -42,7 +42,6 @@ __all__ = [
     "IntervalCosts",
     "goal_value",
     "overloaded",
-    "tokens_per_s",
     "within_slo",
 ]
 
@@ -194,12 +193,6 @@ def overloaded(runs: Iterable[Run], workload: Workload, slo: SloSettings) -> boo
     serves no request within the SLO, or every one fewer than `OVERLOAD_SHARE` of them."""
     shares = [float(within_slo(run, workload, slo).mean()) for run in runs]
     return min(shares) == 0 or max(shares) < OVERLOAD_SHARE
-
-
-def tokens_per_s(run: Run, workload: Workload) -> float:
-    """A run's generated tokens per second, from the first arrival to the last finish."""
-    span = float(np.max(run.finish_s)) - float(workload.arrival_s[0])
-    return float(run.generated.sum()) / span if span > 0 else float("nan")
 
 
 def goal_value(goal: str, run: Run, workload: Workload, slo: SloSettings) -> float:

@@ -18,7 +18,13 @@ from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE
 from blocktune.tuner.config.jsonable import to_jsonable
 from blocktune.tuner.config.text_table import text_table
 from blocktune.tuner.replay.objective import OVERLOAD_SHARE
-from blocktune.tuner.replay.runner import ADAPTIVE, ORACLE, ReplayReport, static_name
+from blocktune.tuner.replay.runner import (
+    ADAPTIVE,
+    ORACLE,
+    TOKENS_PER_S,
+    ReplayReport,
+    static_name,
+)
 from blocktune.tuner.sim.forecast import (
     CHALLENGER_TOLERANCE,
     ServingMetrics,
@@ -27,7 +33,6 @@ from blocktune.tuner.sim.forecast import (
 
 __all__ = [
     "RESULT_KEYS",
-    "compared_on",
     "comparisons",
     "goal_ratio",
     "goal_statement",
@@ -98,13 +103,6 @@ def goal_ratio(goal: str, value: float, reference: float) -> float:
     return reference / value if value > 0 else math.nan
 
 
-def compared_on(report: ReplayReport) -> str:
-    """What `comparisons` ranks the policies on: ``goal``, or ``tokens_per_s`` where a static
-    size serves no request within the SLO, or every one fewer than `OVERLOAD_SHARE` of them
-    (the goodput then counts only the requests served before the backlog built)."""
-    return report.compared_on
-
-
 def comparisons(report: ReplayReport) -> dict[str, float]:
     """The adaptive policy on the goal (above 1: better) against the best static size, the
     oracle and static-16 (when 16 is a candidate), and on the per-token cost against them:
@@ -113,9 +111,9 @@ def comparisons(report: ReplayReport) -> dict[str, float]:
     ``adaptive_vs_oracle_objective``, ``adaptive_vs_static16_objective``,
     ``adaptive_vs_static16_peak_kv`` and ``adaptive_vs_static16_tokens_per_s``. Where every
     static goodput is 0, or every one is that of an overloaded server, the ``*_goal`` ratios
-    compare tokens/s instead (`compared_on`)."""
+    compare tokens/s instead (`ReplayReport.compared_on`)."""
     goal = report.policy["goal"]
-    if compared_on(report) == "tokens_per_s":
+    if report.compared_on == TOKENS_PER_S:
         goal = "capacity"
 
         def value(r):
@@ -188,7 +186,7 @@ def format_replay_table(report: ReplayReport) -> str:
     ratios = comparisons(report)
     lines.append(goal_statement(report))
     on = "the goal"
-    if compared_on(report) == "tokens_per_s":
+    if report.compared_on == TOKENS_PER_S:
         on = "tokens/s"
         lines.append(
             "overloaded at every block size (a static size serves no request within the SLO, "

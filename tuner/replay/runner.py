@@ -52,7 +52,6 @@ from blocktune.tuner.replay.objective import (
     IntervalCosts,
     goal_value,
     overloaded,
-    tokens_per_s,
     within_slo,
 )
 from blocktune.tuner.sim.forecast import ServingMetrics, goal_higher_is_better, relative_gain
@@ -68,6 +67,7 @@ __all__ = [
     "ReplayError",
     "ReplayPlan",
     "ReplayReport",
+    "TOKENS_PER_S",
     "plan_replay",
     "policy_names",
     "replay",
@@ -234,7 +234,7 @@ class ReplayPlan:
         )
         return scores.best_schedule(self._best_static(played, self.compared_on(played)))
 
-    def _best_static(self, played: Mapping[str, Played], on: str = "goal") -> int:
+    def _best_static(self, played: Mapping[str, Played], on: str) -> int:
         """The static size that scores best `on` the policy goal or ``tokens_per_s`` (see
         `compared_on`; ties to the smaller)."""
         policy = self.policy
@@ -248,7 +248,7 @@ class ReplayPlan:
     def _value(self, on: str, run: Run) -> float:
         """A run's score on the goal or on ``tokens_per_s``."""
         if on == TOKENS_PER_S:
-            return tokens_per_s(run, self.workload)
+            return ServingMetrics.of(run, self.workload).tokens_per_s
         return goal_value(self.policy.goal, run, self.workload, self.policy.slo)
 
     def compared_on(self, played: Mapping[str, Played]) -> str:
