@@ -27,6 +27,7 @@ import collections
 import os
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -139,6 +140,12 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16, help="default: 16")
     parser.add_argument("--rounds", type=int, default=3, help="live runs (default: 3)")
     parser.add_argument("--probe-every", type=int, default=20, help="live steps (default: 20)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=int,
+        nargs="+",
+        help="the grid's decode batch sizes instead of validate's (default: its 1 8 32)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, name = load_weights(args.model, seed=0, device="cpu"), args.model
@@ -160,9 +167,12 @@ def main() -> None:
         workload.total_tokens,
         model.config.max_position_embeddings,
     )
+    if args.batch_sizes:
+        grid = replace(grid, batch_sizes=tuple(sorted(args.batch_sizes)))
     probe = SpeedProbe(model)
     probe.take(PROBE_BURST)  # warm-up
     print(f"{args.trace}: {len(workload)} requests, {name}, B={size}, load {os.getloadavg()}")
+    print(f"grid: batches {list(grid.batch_sizes)}, contexts {list(grid.context_lens)}")
     print("| time | side | TPOT p50 | steps | busy | probe p50 | TPOT p50 / probe |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
 
