@@ -11,7 +11,8 @@ grid and every live run it times a **speed probe**: the model's cache-less forwa
 take `PROBE_REPEATS` probes every `--probe-every` steps (outside the steps' time); a grid is
 bracketed by `PROBE_BURST` probes before and after it. TPOT p50 over the probe's median
 then compares the step model's prediction with the live runs in units of the machine's
-speed at the time, which the machine's drift leaves out.
+speed at the time (which follows the machine only in part: see
+bench/results/2026-12-03-calibration-fidelity.md).
 
 Every live step is also priced by the calibration just before it (`STEP_FORM` on the step's
 features, counted as the grid counts them), and the measured / priced ratio is printed per
