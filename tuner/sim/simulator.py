@@ -164,7 +164,8 @@ class _Server:
     ) -> None:
         self.w = workload
         self.spread = server.step_spread
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
+        self.rng: np.random.Generator | None = None  # made at the first spread draw
         self.factors: list[float] = []
         self.server = server
         self.controller = controller
@@ -175,6 +176,7 @@ class _Server:
         self.prompts: list[int] = workload.prompt_tokens.tolist()
         self.outputs: list[int] = workload.output_tokens.tolist()
         self.first_token: list[float] = [math.nan] * n
+        self.joined: list[int] = []  # rows joined since the last step that charged a prefill
         self.finish: list[float] = [math.nan] * n
         self.generated: list[int] = [0] * n
         # Running requests, oldest admission first: row, base, last step, shared blocks.
@@ -221,22 +223,24 @@ class _Server:
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> Run:
-        arrivals = self.arrivals
+        arrivals, waiting, controller = self.arrivals, self.waiting, self.controller
         total = len(arrivals)
         while True:
-            while self.next_arrival < total and arrivals[self.next_arrival] <= self.t:
-                self.waiting.append(self.next_arrival)
-                self.next_arrival += 1
-            if self.controller is not None:
+            arrival, t = self.next_arrival, self.t
+            while arrival < total and arrivals[arrival] <= t:
+                waiting.append(arrival)
+                arrival += 1
+            self.next_arrival = arrival
+            if controller is not None:
                 self._maybe_decide()
-            admitted = bool(self.waiting) and self._admit()
+            admitted = bool(waiting) and self._admit()
             if not self.ids and not self.prefilling:
-                assert not self.waiting, "a waiting request does not fit an empty pool"
-                if self.next_arrival == total:
+                assert not waiting, "a waiting request does not fit an empty pool"
+                if arrival == total:
                     break
-                self.t = max(self.t, min(arrivals[self.next_arrival], self._boundary_time()))
+                self.t = max(self.t, min(arrivals[arrival], self._boundary_time()))
                 continue
-            if self._need() > self.num_blocks - self._referenced():
+            if self._spare() < 0:
                 self._preempt_until_fits()
                 continue
             if self.prefilling:
@@ -279,17 +283,19 @@ class _Server:
         steps = self.steps
         self.table_blocks = sum(-(-(base + steps) // block_size) for base in self.base)
 
-    def _need(self) -> int:
-        """New blocks the running requests take in the next step."""
-        return self.base_counts[-self.steps % self.block_size]
-
     def _referenced(self) -> int:
         """Blocks held by running and prefilling requests (shared prefix blocks once)."""
         return self.table_blocks - self.sum_shared + len(self.refs) + self.pending_blocks
 
+    def _spare(self) -> int:
+        """Blocks free once the running requests take their new blocks for the next step
+        (negative where those do not fit)."""
+        need = self.base_counts[-self.steps % self.block_size]
+        return self.num_blocks - need - self._referenced()
+
     def _evict_to_fit(self) -> None:
-        if not self.evictable:
-            return
+        """Drop the least recently released cached blocks that no longer fit the pool (called
+        where some are cached)."""
         spare = self.num_blocks - self._referenced()
         while len(self.evictable) > spare:
             self.evictable.popitem(last=False)
@@ -332,7 +338,7 @@ class _Server:
         """Admit waiting requests that fit after the running ones' blocks for this step;
         their prefill time goes into this step. True if any was admitted."""
         size, w = self.block_size, self.w
-        available = self.num_blocks - self._referenced() - self._need()
+        available = self._spare()
         if self.blocked and self.blocked[0] == self.waiting[0] and self.blocked[1] > available:
             return False
         joining, prefill, pairs = [], 0, 0
@@ -371,7 +377,8 @@ class _Server:
             self._join(joining)
             self.prefill_tokens, self.prefill_pairs = prefill, pairs
             self.prefill_chunks = len(joining)
-        self._evict_to_fit()
+        if self.evictable:
+            self._evict_to_fit()
         return bool(joining)
 
     def _join(self, joining: list[tuple[int, int, int]]) -> None:
@@ -382,6 +389,7 @@ class _Server:
             self.base_counts[base % size] += 1
             self.table_blocks += blocks_for(held - 1, size)
             self.ids.append(request)
+            self.joined.append(request)
             self.base.append(base)
             self.last.append(steps + self.outputs[request] - self.generated[request])
             self.shared.append(shared)
@@ -436,6 +444,8 @@ class _Server:
     def _spread_factor(self) -> float:
         """The next step's factor: one of the step spread's quantiles, drawn uniformly."""
         if not self.factors:
+            if self.rng is None:
+                self.rng = np.random.default_rng(self.seed)
             spread = np.asarray(self.spread)
             self.factors = spread[self.rng.integers(0, len(spread), SPREAD_DRAWS)].tolist()
         return self.factors.pop()
@@ -454,6 +464,8 @@ class _Server:
         index = self.ids.index(request)
         written = self.base[index] + self.steps  # K/V written; the last token sampled has none
         self.generated[request] = written + 1 - self.prompts[request]
+        if request in self.joined:
+            self.joined.remove(request)
         self._release(request)
         self._remove_at(index)
         self.waiting.appendleft(request)
@@ -461,7 +473,7 @@ class _Server:
 
     def _preempt_until_fits(self) -> None:
         """Preempt until every running request's block for the next step is free."""
-        while self._need() > self.num_blocks - self._referenced():
+        while self._spare() < 0:
             self._preempt_youngest()
 
     # ---------------------------------------------------------------- steps
@@ -485,45 +497,48 @@ class _Server:
         if not self.waiting and self.next_arrival < len(self.arrivals):
             stop = min(stop, self.arrivals[self.next_arrival])
         counts, limit, t, spread = self.base_counts, self.num_blocks, self.t, bool(self.spread)
-        table_blocks, elapsed, end = self.table_blocks, 0.0, t
-        referenced_sum, kv_block_s, first_end = 0, 0.0, t
-        k = 0
-        while k < horizon:
+        # The first step, with the admitted prompts' work (the admission left room for it).
+        table_blocks = self.table_blocks + counts[-steps % size]
+        referenced_sum = table_blocks - duplicates
+        step_s = per_block * table_blocks + const
+        if admitted:
+            step_s += self._prefill_s()
+        if spread:
+            step_s *= self._spread_factor()
+        elapsed, kv_block_s = step_s, referenced_sum * step_s
+        first_end = end = t + elapsed
+        k = 1
+        while k < horizon and end < stop:
             blocks = table_blocks + counts[(-steps - k) % size]
             referenced = blocks - duplicates
             if referenced > limit:
                 break
             step_s = per_block * blocks + slope * k + const
-            if k == 0 and admitted:
-                step_s += self._prefill_s()
             if spread:
                 step_s *= self._spread_factor()
-            if k == 0:
-                first_end = t + step_s
             table_blocks = blocks
             elapsed += step_s
             end = t + elapsed
             referenced_sum += referenced
             kv_block_s += referenced * step_s
             k += 1
-            if end >= stop:
-                break
-        assert k >= 1, "the admission check leaves room for the first step"
         unique_tokens = k * held + n * k * (k + 1) // 2 - k * duplicates * size
         self._account(
             referenced_sum * size, table_blocks - duplicates, kv_block_s, unique_tokens, end - t
         )
         if admitted:
             first_token = self.first_token
-            for request in self.ids:
+            for request in self.joined:
                 if first_token[request] != first_token[request]:  # NaN: not yet set
                     first_token[request] = first_end
+            self.joined = []
         self.t = end
         self.table_blocks = table_blocks
         self.steps = steps + k
         if k == first_finish:
             self._finish()
-        self._evict_to_fit()
+        if self.evictable:
+            self._evict_to_fit()
 
     def _finish(self) -> None:
         """Free the requests that generated their last token in the step just run."""
