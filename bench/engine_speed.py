@@ -23,12 +23,10 @@ import statistics
 import time
 
 import torch
-from vs_vllm import questions
+from steady_batch import KV_BYTES, chat_prompts
 
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.loading import load_pretrained
-
-KV_BYTES = 2**30  # the vs_vllm workload's pool
 
 
 def serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -77,10 +75,7 @@ def main() -> None:
     reference = None
     for dtype in args.dtype:
         loaded = load_pretrained(args.model, dtype=dtype)
-        prompts = [
-            loaded.tokenizer.apply_chat_template([{"role": "user", "content": q}])
-            for q in questions(args.requests)
-        ]
+        prompts = chat_prompts(loaded.tokenizer, args.requests)
         config = EngineConfig(
             block_size=args.block_size, kv_bytes=KV_BYTES, max_num_seqs=args.concurrency
         )

@@ -19,13 +19,10 @@ import statistics
 import time
 
 import torch
-from vs_vllm import questions
+from steady_batch import chat_prompts, decoding_engine
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.loading import load_pretrained
 from blocktune.runtime.model import MLP, Attention
-
-KV_BYTES = 2**30
 
 
 class Separate:
@@ -63,17 +60,9 @@ def main() -> None:
         fused = fusions(loaded.model)
         separate = [(m, name, Separate(getattr(m, name).layers)) for m, name in fused]
         originals = [(m, name, getattr(m, name)) for m, name in fused]
-        prompts = [
-            loaded.tokenizer.apply_chat_template([{"role": "user", "content": q}])
-            for q in questions(max(args.concurrency))
-        ]
+        prompts = chat_prompts(loaded.tokenizer, max(args.concurrency))
         for concurrency in args.concurrency:
-            config = EngineConfig(block_size=32, kv_bytes=KV_BYTES, max_num_seqs=concurrency)
-            engine = Engine(loaded.model, config)
-            params = SamplingParams(max_tokens=args.steps + 2, ignore_eos=True)
-            for prompt in prompts[:concurrency]:
-                engine.add_request(prompt, params)
-            engine.step()  # the prefill
+            engine = decoding_engine(loaded.model, prompts[:concurrency], args.steps)
             times: dict[bool, list[float]] = {True: [], False: []}
             for step in range(args.steps):
                 use_fused = step % 2 == 1

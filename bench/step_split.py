@@ -20,13 +20,10 @@ import statistics
 import time
 
 import torch
-from vs_vllm import questions
+from steady_batch import chat_prompts, decoding_engine
 
 from blocktune.runtime import linear
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
 from blocktune.runtime.loading import load_pretrained
-
-KV_BYTES = 2**30
 
 
 class NoProducts:
@@ -56,17 +53,9 @@ def main() -> None:
     stub = NoProducts(real)
     for dtype in args.dtype:
         loaded = load_pretrained(args.model, dtype=dtype)
-        prompts = [
-            loaded.tokenizer.apply_chat_template([{"role": "user", "content": q}])
-            for q in questions(max(args.concurrency))
-        ]
+        prompts = chat_prompts(loaded.tokenizer, max(args.concurrency))
         for concurrency in args.concurrency:
-            config = EngineConfig(block_size=32, kv_bytes=KV_BYTES, max_num_seqs=concurrency)
-            engine = Engine(loaded.model, config)
-            params = SamplingParams(max_tokens=args.steps + 2, ignore_eos=True)
-            for prompt in prompts[:concurrency]:
-                engine.add_request(prompt, params)
-            engine.step()  # the prefill
+            engine = decoding_engine(loaded.model, prompts[:concurrency], args.steps)
             times: dict[bool, list[float]] = {True: [], False: []}
             try:
                 for step in range(args.steps):
