@@ -526,10 +526,10 @@ class _Server:
         self._account(
             referenced_sum * size, table_blocks - duplicates, kv_block_s, unique_tokens, end - t
         )
-        if admitted:
-            first_token = self.first_token
+        if admitted:  # the joined requests still running make their first token (if not yet)
+            first_token, finish = self.first_token, self.finish
             for request in self.joined:
-                if first_token[request] != first_token[request]:  # NaN: not yet set
+                if math.isnan(first_token[request]) and math.isnan(finish[request]):
                     first_token[request] = first_end
             self.joined = []
         self.t = end
