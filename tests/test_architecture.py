@@ -1,6 +1,7 @@
 """The import rules of docs/architecture.md, read from the source (imports inside functions too)."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +210,23 @@ def test_pyproject_lists_every_package_folder():
             on_disk.add(".".join((package, *relative.parts)))
     assert on_disk == listed
     assert config["setuptools"]["package-data"]["blocktune.policies"] == ["*.yaml"]
+
+
+@pytest.mark.parametrize("flag", ["-c", "-m"])
+def test_started_in_the_package_folder_its_subpackages_are_not_top_level(tmp_path, flag):
+    """Python started in the repository (the package's own folder: `python -c`, `python -m`)
+    has that folder on its path; once blocktune is imported, `kernels` is no longer this
+    package's subpackage but the Hugging Face package of that name (which transformers
+    imports), or nothing."""
+    probe = (
+        "import importlib.util\n"
+        "import blocktune\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "print(spec.origin if spec else None)\n"
+    )
+    (tmp_path / "probe.py").write_text(probe, encoding="utf-8")
+    command = [sys.executable, "-c", probe] if flag == "-c" else [sys.executable, "-m", "probe"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    origin = done.stdout.strip()
+    assert origin == "None" or not Path(origin).resolve().is_relative_to(ROOT), origin
