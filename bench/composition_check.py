@@ -9,7 +9,10 @@ point in one engine per role, the trace's calibration grid (what validate measur
 those batches rebuilt on a fresh engine (their requests admitted one by one, settled,
 then `REPEATS` decode steps timed). The grid's steps are fitted (`fit_steps`) and the
 rebuilt batches priced by the fit (`STEP_FORM` on their features, counted as the grid
-counts them): measured / priced per batch size, drift cancelled by the alternation.
+counts them): measured / priced per batch size. The alternation lets drift touch both sides
+alike on average; a grid point and a rebuilt batch are still seconds apart, and on a 2-core
+machine whose speed moves within seconds one configuration repeated to about +-0.2
+(bench/results/2026-12-03-calibration-fidelity.md).
 
 With `--one-chunk` the torch decode attention reads every batch as one chunk padded to its
 longest context (its grouping constants set huge for the run), which is what the step
