@@ -31,28 +31,21 @@ import time
 from dataclasses import replace
 
 import torch
+from trace_setup import TraceSetup, add_trace_arguments
 
 from blocktune.runtime.block_manager import blocks_for
 from blocktune.runtime.engine import Engine
-from blocktune.runtime.loading import load_weights
-from blocktune.tuner.cli import build_parser
-from blocktune.tuner.cli._common import load_policy_and_calibration, load_trace_or_day
 from blocktune.tuner.config.calibration import prefill_pairs
-from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.live import serve_live
 from blocktune.tuner.fidelity.served_metrics import ServedMetrics
 from blocktune.tuner.fidelity.validation import _engine
 from blocktune.tuner.measure.engine_measure import (
     STEP_CLOCKS,
-    default_engine_grid,
-    grid_for_lengths,
     measure_engine,
-    model_shape,
 )
 from blocktune.tuner.measure.step_fit import TimedStep, predict_step_s
 from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
-from blocktune.tuner.sim.workload import Workload
 
 PROBE_TOKENS = 64
 PROBE_REPEATS = 3
@@ -133,12 +126,7 @@ def kind(step: TimedStep) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace", help="a trace file")
-    parser.add_argument("--format", default="azure", help="its format (default: azure)")
-    parser.add_argument("--requests", type=int, default=300, help="first requests (300)")
-    parser.add_argument("--policy", default="customer_service_llama8b", help="policy (default)")
-    parser.add_argument("--model", default="tiny-random", help="default: tiny-random")
-    parser.add_argument("--block-size", type=int, default=16, help="default: 16")
+    add_trace_arguments(parser)
     parser.add_argument("--rounds", type=int, default=3, help="live runs (default: 3)")
     parser.add_argument("--probe-every", type=int, default=20, help="live steps (default: 20)")
     parser.add_argument(
@@ -148,26 +136,9 @@ def main() -> None:
         help="the grid's decode batch sizes instead of validate's (default: its 1 8 32)",
     )
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    model, name = load_weights(args.model, seed=0, device="cpu"), args.model
-    # The trace and the policy as `blocktune validate` reads them.
-    validate_args = build_parser().parse_args(
-        ["validate", args.trace, "--format", args.format, "--policy", args.policy]
-    )
-    frame, _ = load_trace_or_day(validate_args)
-    workload = Workload.from_frame(frame.sort_values("arrival_s").head(args.requests))
-    workload = workload.without_longer_than(model.config.max_position_embeddings)
-    size = args.block_size
-    policy, calibration = load_policy_and_calibration(args.policy)
-    served = Policy.model_validate(
-        {**dict(policy), "model": model_shape(model), "candidates": (size,)}
-    )
-    grid = grid_for_lengths(
-        default_engine_grid(quick=False, block_sizes=(size,)),
-        workload.prompt_tokens,
-        workload.total_tokens,
-        model.config.max_position_embeddings,
-    )
+    setup = TraceSetup.of(args)
+    model, name, workload, size = setup.model, args.model, setup.workload, args.block_size
+    served, calibration, grid = setup.served, setup.calibration, setup.grid
     if args.batch_sizes:
         grid = replace(grid, batch_sizes=tuple(sorted(args.batch_sizes)))
     probe = SpeedProbe(model)

@@ -28,21 +28,16 @@ import collections
 import os
 
 import numpy as np
-import torch
+from trace_setup import TraceSetup, add_trace_arguments
 
 from blocktune.kernels import paged_attention
 from blocktune.runtime.block_manager import blocks_for
 from blocktune.runtime.engine import Engine
-from blocktune.runtime.loading import load_weights
-from blocktune.tuner.cli import build_parser
-from blocktune.tuner.cli._common import load_policy_and_calibration, load_trace_or_day
-from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.live import serve_live
 from blocktune.tuner.fidelity.validation import _engine as live_engine
 from blocktune.tuner.measure import engine_measure
 from blocktune.tuner.measure.step_fit import TimedStep, fit_steps, predict_step_s
 from blocktune.tuner.sim.step_cost import StepCostModel
-from blocktune.tuner.sim.workload import Workload
 
 CLOCK = engine_measure.STEP_CLOCKS["cpu"]
 REPEATS = 5
@@ -104,44 +99,23 @@ def rebuilt_steps(engine: Engine, contexts: tuple[int, ...], rng) -> list[TimedS
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("trace", help="a trace file")
-    parser.add_argument("--format", default="azure", help="its format (default: azure)")
-    parser.add_argument("--requests", type=int, default=300, help="first requests (300)")
-    parser.add_argument("--policy", default="customer_service_llama8b", help="policy (default)")
-    parser.add_argument("--model", default="tiny-random", help="default: tiny-random")
-    parser.add_argument("--block-size", type=int, default=16, help="default: 16")
+    add_trace_arguments(parser)
     parser.add_argument("--batches", type=int, default=40, help="rebuilt batches (default: 40)")
     parser.add_argument("--one-chunk", action="store_true", help="decode attention unchunked")
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     if args.one_chunk:
         paged_attention.PAD_RATIO = paged_attention.PAD_TOKENS = 1 << 40
         paged_attention.GATHER_BYTES_PER_THREAD = 1 << 40
-    model = load_weights(args.model, seed=args.seed, device="cpu")
-    validate_args = build_parser().parse_args(
-        ["validate", args.trace, "--format", args.format, "--policy", args.policy]
-    )
-    frame, _ = load_trace_or_day(validate_args)
-    workload = Workload.from_frame(frame.sort_values("arrival_s").head(args.requests))
-    workload = workload.without_longer_than(model.config.max_position_embeddings)
-    size = args.block_size
-    policy, calibration = load_policy_and_calibration(args.policy)
-    served = Policy.model_validate(
-        {**dict(policy), "model": engine_measure.model_shape(model), "candidates": (size,)}
-    )
+    setup = TraceSetup.of(args, seed=args.seed)
+    model, workload, size = setup.model, setup.workload, args.block_size
+    served, calibration, grid = setup.served, setup.calibration, setup.grid
     server = StepCostModel(served, calibration)
     recorder = BatchRecorder(model, live_engine(model, server, size, workload).config)
     serve_live(recorder, workload, timer=CLOCK, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     batches = drawn(recorder.batches, args.batches, rng)
     del recorder
-    grid = engine_measure.grid_for_lengths(
-        engine_measure.default_engine_grid(quick=False, block_sizes=(size,)),
-        workload.prompt_tokens,
-        workload.total_tokens,
-        model.config.max_position_embeddings,
-    )
     longest = max(max(batch) for batch in batches)
     grid_engine = engine_measure._engine(model, grid, size, "torch")
     batch_grid = engine_measure.EngineGrid(
