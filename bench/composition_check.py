@@ -118,8 +118,11 @@ def main() -> None:
     del recorder
     longest = max(max(batch) for batch in batches)
     grid_engine = engine_measure._engine(model, grid, size, "torch")
+    most = max(map(len, batches))
+    # A pool and positions for the largest batch: a rebuilt request may ask for up to its
+    # context + the batch's admissions + REPEATS + 2 tokens (`rebuilt_steps`).
     batch_grid = engine_measure.EngineGrid(
-        (size,), (max(map(len, batches)),), (longest,), (longest,), repeats=REPEATS + 64
+        (size,), (most,), (longest,), (longest,), repeats=REPEATS + most
     )
     batch_engine = engine_measure._engine(model, batch_grid, size, "torch")
     for engine in (grid_engine, batch_engine):

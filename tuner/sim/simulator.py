@@ -500,6 +500,7 @@ class _Server:
         # The first step, with the admitted prompts' work (the admission left room for it).
         table_blocks = self.table_blocks + counts[-steps % size]
         referenced_sum = table_blocks - duplicates
+        assert referenced_sum <= limit, "the admission check leaves room for the first step"
         step_s = per_block * table_blocks + const
         if admitted:
             step_s += self._prefill_s()
