@@ -591,14 +591,18 @@ def _narrow(
     (`_margin`), interpolated linearly in the log of the load between the two ends, crosses
     zero, kept half the tolerance inside the bracket, so that a good estimate is closed from
     both sides in one more probe; where interpolation has not halved the bracket in two probes
-    in a row, the probe is the geometric midpoint (bisection)."""
+    in a row, the probe is the geometric midpoint (bisection). A settled bracket (`high` at
+    most `settle_at`) is bisected: interpolation would place its probe half the fine
+    tolerance from the crossing, where a coarse one is all that is asked."""
     if high > meets.sustained > low:
         if meets(meets.sustained):
             return meets.sustained  # every load above the sustained one fails
         high = meets.sustained
     slow = 0  # interpolated probes in a row that did not halve the bracket
     while high / low > 1 + (tolerance if high > settle_at else max(tolerance, SETTLED_TOLERANCE)):
-        interpolated = _interpolated(meets, low, high, tolerance) if slow < 2 else None
+        interpolated = None
+        if slow < 2 and high > settle_at:
+            interpolated = _interpolated(meets, low, high, tolerance)
         probe = math.sqrt(low * high) if interpolated is None else interpolated
         width = math.log(high / low)
         if meets(probe):

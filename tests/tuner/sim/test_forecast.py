@@ -106,6 +106,39 @@ def test_every_capacity_is_bisected_well_under_min_gain(window):
     assert challenger.block_size == 8
 
 
+def test_a_size_below_another_challenger_is_only_bisected_to_the_settled_tolerance():
+    """On the day window 32 and 64 are found below 8 (the strongest challenger): once a
+    bracket of theirs lies below 8's capacity every further probe is the bracket's geometric
+    midpoint (an interpolated probe would sit half the fine tolerance from the crossing,
+    which costs probes a 5% answer does not need), and the search stops within 5%."""
+    forecaster, workload = day_window_forecaster()
+    probes: dict[int, list[float]] = {}
+    metrics = forecaster.metrics
+
+    def recorded(sample, block_size, load):
+        if sample is workload and load not in (1.0, forecaster.policy.headroom):
+            probes.setdefault(block_size, []).append(load)
+        return metrics(sample, block_size, load)
+
+    forecaster.metrics = recorded
+    forecasts = {f.block_size: f for f in forecaster.forecast(workload, 16, (8, 16, 32, 64))}
+    forecaster.metrics = metrics
+    settle_at = forecasts[8].capacity
+    for size in (32, 64):
+        capacity = forecasts[size].capacity
+        assert capacity < settle_at
+        passed, failed, midpoints = [], [], 0
+        for load in probes[size]:
+            if passed and failed and min(failed) <= settle_at:
+                low = max(x for x in passed if x < min(failed))
+                assert load == pytest.approx(math.sqrt(low * min(failed)), rel=1e-12)
+                midpoints += 1
+            (passed if forecaster.meets(workload, size, load) else failed).append(load)
+        assert midpoints >= 1
+        above = min(x for x in failed if x > capacity)
+        assert above / capacity <= 1 + SETTLED_TOLERANCE
+
+
 def test_a_headroom_of_one_still_forecasts():
     """With `headroom: 1` the observed and the headroom runs are the same load, so they give
     no slope to step by; the searches still find every capacity the default headroom does
