@@ -12,7 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from blocktune.runtime.defaults import ENGINE_DTYPES
-from blocktune.tuner.config.defaults import DEFAULT_DAY_RATE_SCALE, SYNTHETIC_TRACE
+from blocktune.tuner.config.defaults import (
+    DEFAULT_DAY_RATE_SCALE,
+    DEFAULT_POLICY,
+    SYNTHETIC_TRACE,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -232,6 +236,18 @@ def load_trace_or_day(args: argparse.Namespace) -> tuple[pd.DataFrame, str]:
     loaded = load_from_args(args)
     report_skipped(loaded)
     return loaded.frame, file_label(loaded)
+
+
+def add_policy_argument(parser: argparse.ArgumentParser, what: str) -> None:
+    """--policy FILE|NAME: a policy YAML file or a bundled policy's name, the bundled
+    `DEFAULT_POLICY` where not given; `what` says what the command takes from it."""
+    parser.add_argument(
+        "--policy",
+        default=DEFAULT_POLICY,
+        metavar="FILE|NAME",
+        help=f"policy YAML file, or the name of a bundled policy (default, long_document, ...): "
+        f"{what} (default: %(default)s)",
+    )
 
 
 def add_calibration_argument(parser: argparse.ArgumentParser) -> None:

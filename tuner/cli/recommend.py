@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from blocktune.tuner.cli._common import (
     add_load_arguments,
+    add_policy_argument,
     load_from_args,
     load_policy_and_calibration,
     positive_int,
@@ -95,8 +96,12 @@ def format_decision_table(decision: Decision, snapshot: WindowSnapshot) -> str:
     )
     lines.append(
         f"recommended: B={decision.recommended_block_size} ("
-        + ("the choice matters" if decision.material else "the block size does not matter here")
-        + f"; * marks the best candidate on {decision.goal})"
+        + (
+            "the choice matters"
+            if decision.material
+            else "no other size is better beyond the forecast's noise"
+        )
+        + f"; * marks it; ranked on {decision.ranked_by})"
     )
     if decision.principled_block_tokens is not None:
         lines.append(
@@ -210,12 +215,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         trace_help=f"trace file, or '{SYNTHETIC_TRACE}' for the synthetic customer-service day",
         seed_help="seed of the synthetic day or of --rate arrivals (default: 0)",
     )
-    parser.add_argument(
-        "--policy",
-        required=True,
-        metavar="FILE|NAME",
-        help="policy YAML file, or the name of a bundled policy (default, long_document, ...)",
-    )
+    add_policy_argument(parser, "KV budget, candidates, SLO and min_gain")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
         "--current",

@@ -22,11 +22,12 @@ from blocktune.tuner.cli._common import (
     add_calibration_argument,
     add_day_arguments,
     add_load_arguments,
+    add_policy_argument,
     load_policy_and_calibration,
     load_trace_or_day,
     positive_int,
 )
-from blocktune.tuner.config.defaults import DEFAULT_POLICY, SYNTHETIC_TRACE
+from blocktune.tuner.config.defaults import SYNTHETIC_TRACE
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -171,13 +172,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         trace_optional=True,
         seed_help="seed of the embedded day or of --rate arrivals (default: 0)",
     )
-    parser.add_argument(
-        "--policy",
-        default=DEFAULT_POLICY,
-        metavar="FILE|NAME",
-        help="policy YAML file or bundled policy name: model, KV budget, candidates, timing "
-        "(default: %(default)s)",
-    )
+    add_policy_argument(parser, "model, KV budget, candidates, timing")
     parser.add_argument(
         "--out",
         metavar="DIR",

@@ -6,7 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from blocktune.tuner.cli._common import add_allowed_hosts_argument, with_allowed_hosts
+from blocktune.tuner.cli._common import (
+    add_allowed_hosts_argument,
+    add_policy_argument,
+    with_allowed_hosts,
+)
 
 __all__ = ["register"]
 
@@ -88,12 +92,7 @@ def register(commands: argparse._SubParsersAction) -> None:
             "max_connections."
         ),
     )
-    parser.add_argument(
-        "--policy",
-        required=True,
-        metavar="FILE|NAME",
-        help="policy YAML file, or the name of a bundled policy (default, long_document, ...)",
-    )
+    add_policy_argument(parser, "the deployment's candidates, interval, mode and server")
     parser.add_argument(
         "--host", default=None, help="address to bind (default: the policy's, 127.0.0.1)"
     )

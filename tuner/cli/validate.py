@@ -28,6 +28,7 @@ from blocktune.tuner.cli._common import (
     add_load_arguments,
     add_measurement_arguments,
     add_model_arguments,
+    add_policy_argument,
     block_size_arg,
     positive_int,
 )
@@ -266,12 +267,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "prompts' token ids (default: 0)",
     )
     add_day_arguments(parser)
-    parser.add_argument(
-        "--policy",
-        required=True,
-        metavar="FILE|NAME",
-        help="policy YAML or bundled name: the KV budget and candidates (its model section is "
-        "replaced by the live model's shape)",
+    add_policy_argument(
+        parser, "the KV budget and candidates (its model section is replaced by the live model's)"
     )
     add_model_arguments(parser)
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")

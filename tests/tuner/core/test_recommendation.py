@@ -59,7 +59,7 @@ def test_table_lists_every_candidate_and_the_choice(capsys, policy_file):
     frame = customer_service_day(0).query("phase == 'day'")
     decision, _, left_out = recommend(frame, policy, analytic_calibration())
     assert left_out == 0 and not decision.material
-    assert "recommended: B=16 (the block size does not matter here" in out
+    assert "recommended: B=16 (no other size is better beyond the forecast's noise" in out
     rows = [line for line in out.splitlines() if line[:6].strip().lstrip("* ").isdigit()]
     sizes = [int(row.strip("* ").split()[0]) for row in rows]
     assert sizes == list(policy.candidates) * 2  # predicted service, then cost terms
