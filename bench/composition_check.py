@@ -18,7 +18,18 @@ With `--one-chunk` the torch decode attention reads every batch as one chunk pad
 longest context (its grouping constants set huge for the run), which is what the step
 form's padded term describes.
 
+With `--against-one-chunk` every drawn batch is timed twice back to back in a random order,
+read in the default chunks and as one chunk, and the paired ratio (default over one chunk)
+printed the same way.
+
+With `--against-uniform` every drawn batch is also rebuilt with all its requests at the
+batch's mean context (the same requests and about the same tokens, one length: one chunk,
+nothing padded), the two versions timed back to back in a random order on one engine.
+Their paired ratio (as drawn over uniform, per batch) measures what mixed lengths cost at
+equal work, free of the drift between runs that separate runs of the two leave in.
+
     python bench/composition_check.py TRACE [--format azure] [--batches 40] [--one-chunk]
+        [--against-uniform | --against-one-chunk]
 """
 
 from __future__ import annotations
@@ -97,16 +108,55 @@ def rebuilt_steps(engine: Engine, contexts: tuple[int, ...], rng) -> list[TimedS
     return steps
 
 
+def uniform(contexts: tuple[int, ...]) -> tuple[int, ...]:
+    """The batch with every request at its mean context (rounded)."""
+    return (round(sum(contexts) / len(contexts)),) * len(contexts)
+
+
+ONE_CHUNK = (1 << 40, 1 << 40, 1 << 40)
+"""Grouping constants under which the torch decode attention reads any batch as one chunk."""
+
+
+def set_layout(constants: tuple[int, int, int]) -> None:
+    """Set the torch decode attention's grouping constants (PAD_RATIO, PAD_TOKENS,
+    GATHER_BYTES_PER_THREAD) for the steps that follow."""
+    (
+        paged_attention.PAD_RATIO,
+        paged_attention.PAD_TOKENS,
+        paged_attention.GATHER_BYTES_PER_THREAD,
+    ) = constants
+
+
+def group_of(sequences: int) -> str:
+    """The batch-size group a table row counts a step in."""
+    return "1-4" if sequences <= 4 else "5-16" if sequences <= 16 else "17+"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_trace_arguments(parser)
     parser.add_argument("--batches", type=int, default=40, help="rebuilt batches (default: 40)")
-    parser.add_argument("--one-chunk", action="store_true", help="decode attention unchunked")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--one-chunk", action="store_true", help="decode attention unchunked")
+    modes.add_argument(
+        "--against-uniform",
+        action="store_true",
+        help="also time each batch with every request at its mean context, back to back",
+    )
+    modes.add_argument(
+        "--against-one-chunk",
+        action="store_true",
+        help="also time each batch read as one chunk, back to back",
+    )
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
     args = parser.parse_args()
+    default_layout = (
+        paged_attention.PAD_RATIO,
+        paged_attention.PAD_TOKENS,
+        paged_attention.GATHER_BYTES_PER_THREAD,
+    )
     if args.one_chunk:
-        paged_attention.PAD_RATIO = paged_attention.PAD_TOKENS = 1 << 40
-        paged_attention.GATHER_BYTES_PER_THREAD = 1 << 40
+        set_layout(ONE_CHUNK)
     setup = TraceSetup.of(args, seed=args.seed)
     model, workload, size = setup.model, setup.workload, args.block_size
     served, calibration, grid = setup.served, setup.calibration, setup.grid
@@ -130,28 +180,58 @@ def main() -> None:
     points = engine_measure._points(grid)
     grid_steps: list[TimedStep] = []
     rebuilt: list[TimedStep] = []
+    flat: list[TimedStep] = []  # the second versions (uniform, or read as one chunk)
+    pairs: list[tuple[int, float]] = []  # batch size, as drawn over second (mean step)
     for i in range(max(len(points), len(batches))):  # alternate: drift touches both alike
         if i < len(points):
             grid_steps += points[i](grid_engine, grid, rng, CLOCK)
-        if i < len(batches):
+        if i >= len(batches):
+            continue
+        if not (args.against_uniform or args.against_one_chunk):
             rebuilt += rebuilt_steps(batch_engine, batches[i], rng)
+            continue
+        versions = [batches[i], batches[i] if args.against_one_chunk else uniform(batches[i])]
+        layouts = [default_layout, ONE_CHUNK if args.against_one_chunk else default_layout]
+        order = rng.permutation(2)
+        timed = [[], []]
+        for which in order:
+            set_layout(layouts[which])
+            timed[which] = rebuilt_steps(batch_engine, versions[which], rng)
+        set_layout(default_layout)
+        rebuilt += timed[0]
+        flat += timed[1]
+        means = [np.mean([step.seconds for step in steps]) for steps in timed]
+        pairs.append((len(batches[i]), means[0] / means[1]))
     coefficients = fit_steps(grid_steps).coefficients[size]
     print(
         f"{args.trace}: {len(workload)} requests, {args.model}, B={size}, "
         f"{'one chunk' if args.one_chunk else 'default layout'}, load {os.getloadavg()}"
     )
     print(f"{len(batches)} rebuilt batches, {len(grid_steps)} grid steps")
-    print("| rebuilt batches | steps | measured / priced |")
-    print("| --- | --- | --- |")
-    groups = collections.defaultdict(lambda: [0, 0.0, 0.0])
-    for step in rebuilt:
-        label = "1-4" if step.sequences <= 4 else "5-16" if step.sequences <= 16 else "17+"
-        for key in (f"{label} requests", "all"):
-            groups[key][0] += 1
-            groups[key][1] += step.seconds
-            groups[key][2] += predict_step_s(coefficients, step)
-    for key, (count, measured, priced) in sorted(groups.items()):
-        print(f"| {key} | {count} | {measured / priced:.2f} |")
+    second = "as one chunk" if args.against_one_chunk else "uniform"
+    for title, steps in (("as drawn", rebuilt), (second, flat)):
+        if not steps:
+            continue
+        print(f"| rebuilt batches, {title} | steps | measured / priced |")
+        print("| --- | --- | --- |")
+        groups = collections.defaultdict(lambda: [0, 0.0, 0.0])
+        for step in steps:
+            for key in (f"{group_of(step.sequences)} requests", "all"):
+                groups[key][0] += 1
+                groups[key][1] += step.seconds
+                groups[key][2] += predict_step_s(coefficients, step)
+        for key, (count, measured, priced) in sorted(groups.items()):
+            print(f"| {key} | {count} | {measured / priced:.2f} |")
+    if pairs:
+        print(f"| batches | pairs | as drawn / {second}: median | quartiles |")
+        print("| --- | --- | --- | --- |")
+        by_group = collections.defaultdict(list)
+        for sequences, ratio in pairs:
+            by_group[f"{group_of(sequences)} requests"].append(ratio)
+            by_group["all"].append(ratio)
+        for key, ratios in sorted(by_group.items()):
+            low, mid, high = np.percentile(ratios, [25, 50, 75])
+            print(f"| {key} | {len(ratios)} | {mid:.2f} | {low:.2f}-{high:.2f} |")
 
 
 if __name__ == "__main__":
