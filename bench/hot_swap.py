@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 
 from blocktune.kernels.cache_ops import copy_blocks
+from blocktune.kernels.cpu_attention import default_backend
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.runtime.block_table import BlockTable
 from blocktune.runtime.hot_swap import prepare_swap, write_staged
@@ -125,7 +126,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Azure-format CSV")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--backend", default=None, help="torch or triton (default: by device)")
+    parser.add_argument("--backend", default=None, help="torch, triton or cpu (default: by device)")
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--block-size", type=int, default=16, help="size before the swaps")
     parser.add_argument(
@@ -137,7 +138,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     device = torch.device(args.device)
-    backend = args.backend or ("triton" if device.type == "cuda" else "torch")
+    backend = args.backend or default_backend(device)
     lengths = pd.read_csv(args.trace, usecols=["ContextTokens", "GeneratedTokens"])
     slot_bytes = 2 * SHAPE["num_layers"] * SHAPE["num_kv_heads"] * SHAPE["head_dim"] * 2
     print(

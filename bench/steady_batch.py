@@ -22,10 +22,15 @@ def chat_prompts(tokenizer, count: int) -> list[list[int]]:
     ]
 
 
-def decoding_engine(model, prompts: list[list[int]], steps: int) -> Engine:
-    """An engine (block size 32) serving `prompts` together, prefilled, with `steps` more
-    decode steps before any of them finishes."""
-    config = EngineConfig(block_size=32, kv_bytes=KV_BYTES, max_num_seqs=len(prompts))
+def decoding_engine(
+    model, prompts: list[list[int]], steps: int, backend: str | None = None
+) -> Engine:
+    """An engine (block size 32, attention `backend`, None for the engine's default)
+    serving `prompts` together, prefilled, with `steps` more decode steps before any of
+    them finishes."""
+    config = EngineConfig(
+        block_size=32, kv_bytes=KV_BYTES, max_num_seqs=len(prompts), attention_backend=backend
+    )
     engine = Engine(model, config)
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     for prompt in prompts:

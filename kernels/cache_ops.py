@@ -351,9 +351,9 @@ def warmup_cache_ops(
     backend: str = "triton",
 ) -> None:
     """Compile the write and copy kernels ahead of use (both serve every block size);
-    a no-op for the torch backend."""
+    a no-op for the torch and cpu backends (which write and copy with torch)."""
     check_backend(backend)
-    if backend == "torch":
+    if backend != "triton":
         return
     cache = torch.zeros((4, num_kv_heads, head_dim), dtype=dtype, device=device)
     for index_dtype in (torch.int32, torch.int64):

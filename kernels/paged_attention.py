@@ -1,4 +1,5 @@
-"""Decode attention over a paged KV cache: a torch reference and a Triton kernel.
+"""Decode attention over a paged KV cache: a torch reference, a Triton kernel and, on the
+CPU, a C kernel that reads the blocks in place (`blocktune.kernels.cpu_attention`).
 
 The KV pool of one layer is a flat slot tensor `[num_slots, num_kv_heads, head_dim]`;
 block `j` of size `B` is slots `[j*B, (j+1)*B)`. Token `t` of sequence `s` lives in
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from blocktune.kernels import is_power_of_two
+from blocktune.kernels.cpu_attention import CPU_DTYPES, cpu_kernel_error, paged_attention_cpu
 
 try:
     import triton
@@ -40,11 +42,12 @@ __all__ = [
     "paged_attention",
     "paged_attention_torch",
     "paged_attention_triton",
+    "require_cpu_kernel",
     "require_triton",
     "warmup",
 ]
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "cpu")
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Tokens per split-K partition on CUDA when there are too few (sequence, KV head) pairs
 # to fill the device; a multiple of every supported tile size.
@@ -609,10 +612,14 @@ def paged_attention(
     backend: str = "torch",
     tile_size: int | None = None,
     layout: DecodeLayout | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Decode attention of `query [num_seqs, num_heads, head_dim]` over one layer's paged
-    cache, on the `backend` ("torch" or "triton"); `tile_size` applies to Triton only,
-    `layout` (see `paged_attention_torch`) to torch only."""
+    cache, on the `backend` ("torch", "triton" or "cpu"); `tile_size` applies to Triton
+    only, `layout` (see `paged_attention_torch`) to torch only. The "cpu" backend reads
+    float32 and bfloat16 caches in place (`paged_attention_cpu`) and float16 ones through
+    the torch backend; `check_values` False skips its check of the context lengths and
+    block ids (a caller attending every layer of a step checks them once)."""
     check_backend(backend)
     if backend == "triton":
         return paged_attention_triton(
@@ -625,6 +632,21 @@ def paged_attention(
             scale=scale,
             tile_size=tile_size,
         )
+    if backend == "cpu" and key_cache.dtype in CPU_DTYPES:
+        require_cpu_kernel(query.device)
+        _check_attention_inputs(
+            query, key_cache, value_cache, block_table, context_lens, block_size, check_values
+        )
+        if key_cache.is_contiguous() and value_cache.is_contiguous():
+            return paged_attention_cpu(
+                query,
+                key_cache,
+                value_cache,
+                block_table,
+                context_lens,
+                block_size=block_size,
+                scale=scale,
+            )
     return paged_attention_torch(
         query,
         key_cache,
@@ -635,6 +657,17 @@ def paged_attention(
         scale=scale,
         layout=layout,
     )
+
+
+def require_cpu_kernel(device: torch.device | str) -> None:
+    """Raise `KernelInputError` unless the "cpu" backend's C kernel can run on `device`:
+    CPU tensors, and a kernel that builds and loads here (the error says why not)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        raise KernelInputError(f"backend 'cpu' got {device.type} tensors; it runs on the CPU")
+    error = cpu_kernel_error()
+    if error is not None:
+        raise KernelInputError(f"backend 'cpu' is unavailable here ({error}); use 'torch'")
 
 
 def warmup(
@@ -648,10 +681,13 @@ def warmup(
     backend: str = "triton",
 ) -> None:
     """Compile the Triton kernel for every block size ahead of use (one-pass and split-K
-    variants, default tile), so a later block-size change never waits on a JIT compile.
+    variants, default tile), so a later block-size change never waits on a JIT compile;
+    for the cpu backend, build and load its C kernel now (`KernelInputError` if it cannot).
     A no-op for the torch backend."""
     check_backend(backend)
-    if backend == "torch":
+    if backend == "cpu":
+        require_cpu_kernel(device)
+    if backend != "triton":
         return
     device = torch.device(device)
     tile = default_tile_size(head_dim)

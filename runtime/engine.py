@@ -40,7 +40,8 @@ import torch
 
 from blocktune.kernels import is_power_of_two
 from blocktune.kernels.cache_ops import copy_blocks, warmup_cache_ops
-from blocktune.kernels.paged_attention import warmup
+from blocktune.kernels.cpu_attention import default_backend
+from blocktune.kernels.paged_attention import BACKENDS, require_cpu_kernel, warmup
 from blocktune.runtime.block_manager import BlockManager, blocks_for
 from blocktune.runtime.block_table import BlockTable
 from blocktune.runtime.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CANDIDATES
@@ -66,7 +67,6 @@ __all__ = [
     "TokenLogprob",
 ]
 
-BACKENDS = ("torch", "triton")
 SWAP_HISTORY = 100  # swap results kept for introspection
 log = logging.getLogger(__name__)
 
@@ -85,11 +85,13 @@ class EngineConfig:
 
     Give the pool as `num_blocks` (at `block_size`) or as `kv_bytes`; the pool
     is a fixed number of token slots, so a later block-size change keeps it.
-    `max_model_len` defaults to the model's `max_position_embeddings`.
-    `max_num_batched_tokens` bounds the tokens one step computes (decodes and
-    prefill chunks together); None computes every admitted prompt whole. It
-    must cover `max_num_seqs` decodes, and it excludes prefix caching (a
-    preempted partial prefill would leave cached blocks without their K/V).
+    `max_model_len` defaults to the model's `max_position_embeddings` and
+    `attention_backend` to `default_backend` of its device (on a CPU the C kernel
+    that reads the blocks in place, where it builds). `max_num_batched_tokens`
+    bounds the tokens one step computes (decodes and prefill chunks together);
+    None computes every admitted prompt whole. It must cover `max_num_seqs`
+    decodes, and it excludes prefix caching (a preempted partial prefill would
+    leave cached blocks without their K/V).
     """
 
     block_size: int = DEFAULT_BLOCK_SIZE
@@ -98,7 +100,7 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
-    attention_backend: str = "torch"
+    attention_backend: str | None = None  # None: `default_backend` of the model's device
     enable_prefix_caching: bool = False
     candidate_block_sizes: tuple[int, ...] = DEFAULT_CANDIDATES
     swap_staging_bytes: int = 64 * 2**20
@@ -106,7 +108,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if (self.num_blocks is None) == (self.kv_bytes is None):
             raise ValueError("give exactly one of num_blocks and kv_bytes")
-        if self.attention_backend not in BACKENDS:
+        if self.attention_backend not in (*BACKENDS, None):
             raise ValueError(
                 f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}"
             )
@@ -191,6 +193,8 @@ class Engine:
     def __init__(self, model: LlamaModel, config: EngineConfig) -> None:
         if config.max_model_len is None:
             config = replace(config, max_model_len=model.config.max_position_embeddings)
+        if config.attention_backend is None:
+            config = replace(config, attention_backend=default_backend(model.device))
         if config.max_model_len > model.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's "
@@ -244,6 +248,8 @@ class Engine:
         self._swap_bytes_moved = 0
         # Test seam: called with "copy" and "table" during a swap's prepare phase.
         self.swap_fault_hook: Callable[[str], None] | None = None
+        if config.attention_backend == "cpu":
+            require_cpu_kernel(model.device)  # built now, or a clear error, before serving
         if config.attention_backend == "triton":
             # Compile every kernel a swap may need now, never in the middle of serving.
             warmup(

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from blocktune.kernels.cache_ops import write_kv
+from blocktune.kernels.cpu_attention import CPU_DTYPES
 from blocktune.kernels.paged_attention import decode_layout, paged_attention
 from blocktune.runtime.kv_cache import KVCache
 from blocktune.runtime.linear import FusedProjections, PackedLinear
@@ -407,8 +408,9 @@ class LlamaModel(nn.Module):
         tokens and the slots of its sequence's whole context up to its last new token.
         """
         num_decodes = block_table.shape[0]
+        in_place = backend == "triton" or (backend == "cpu" and kv.k[0].dtype in CPU_DTYPES)
         layout = None  # every layer reads the same blocks: lay them out once
-        if num_decodes and backend == "torch":
+        if num_decodes and not in_place:
             layout = decode_layout(kv.k[0], block_table, context_lens, block_size=block_size)
 
         def attend(layer, q, k, v):
@@ -428,6 +430,7 @@ class LlamaModel(nn.Module):
                         scale=self.scale,
                         backend=backend,
                         layout=layout,
+                        check_values=layer == 0,
                     )
                 )
             row = num_decodes

@@ -20,6 +20,7 @@ from blocktune.kernels.paged_attention import (
     paged_attention,
     paged_attention_torch,
     paged_attention_triton,
+    require_cpu_kernel,
     require_triton,
     warmup,
 )
@@ -36,9 +37,23 @@ def _triton_skip_reason() -> str | None:
     return None
 
 
+def _cpu_skip_reason() -> str | None:
+    try:
+        require_cpu_kernel(DEVICE)
+    except KernelInputError as error:
+        return str(error)
+    return None
+
+
 TRITON_SKIP = _triton_skip_reason()
+CPU_SKIP = _cpu_skip_reason()
 needs_triton = pytest.mark.skipif(TRITON_SKIP is not None, reason=TRITON_SKIP or "")
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+needs_cpu_kernel = pytest.mark.skipif(CPU_SKIP is not None, reason=CPU_SKIP or "")
+BACKENDS = [
+    "torch",
+    pytest.param("triton", marks=needs_triton),
+    pytest.param("cpu", marks=needs_cpu_kernel),
+]
 
 
 class Paged:
@@ -456,3 +471,93 @@ def test_copy_blocks_rejects_mismatched_layers_and_block_sizes():
         copy_blocks([cache], [cache], [(0, 1)], block_size=3)
     with pytest.raises(KernelInputError, match="block_size 16 does not divide the pool's 8"):
         copy_blocks([cache], [cache], [(0, 1)], block_size=16)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize(
+    ("block_size", "num_heads", "num_kv_heads", "head_dim", "dtype"),
+    [
+        (8, 4, 4, 16, torch.float32),  # no grouping, a head_dim the kernel does not specialise
+        (16, 9, 3, 64, torch.float32),  # SmolLM2's heads
+        (32, 8, 2, 128, torch.float32),
+        (1, 4, 2, 12, torch.float32),  # one token per block
+        (64, 9, 3, 64, torch.bfloat16),
+        (16, 4, 2, 32, torch.float16),  # read through the torch backend
+    ],
+)
+def test_cpu_kernel_reads_blocks_in_place_and_matches_dense_oracle(
+    block_size, num_heads, num_kv_heads, head_dim, dtype
+):
+    """Ragged contexts, scattered blocks, -1 past each context: the oracle's output, in the
+    query's dtype."""
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 200]
+    paged = Paged(lens, block_size, num_kv_heads, head_dim, dtype, seed=block_size + head_dim)
+    query = _query(len(lens), num_heads, head_dim, dtype, seed=head_dim)
+    out = paged_attention(*paged.args(query), block_size=block_size, scale=0.3, backend="cpu")
+    assert out.dtype == dtype and out.shape == query.shape
+    expected = dense_attention(query, paged.keys, paged.values, scale=0.3)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_kernel_gives_the_same_bits_on_any_thread_count(threads):
+    paged = Paged([5, 100, 33, 64], 16, 2, 64, torch.float32, seed=4)
+    query = _query(4, 6, 64, torch.float32, seed=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = paged_attention(*paged.args(query), block_size=16, backend="cpu")
+        torch.set_num_threads(threads)
+        many = paged_attention(*paged.args(query), block_size=16, backend="cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+@needs_cpu_kernel
+def test_cpu_backend_checks_values_and_falls_back_for_strided_caches():
+    paged = Paged([30, 9], 8, 2, 16, torch.float32, seed=6)
+    query = _query(2, 4, 16, torch.float32, seed=6)
+    bad = paged.block_table.clone()
+    bad[0, 1] = 10_000
+    with pytest.raises(KernelInputError, match=r"block_table\[0, 1\] = 10000 is outside"):
+        paged_attention(
+            query, paged.key_cache, paged.value_cache, bad, paged.context_lens,
+            block_size=8, backend="cpu",
+        )  # fmt: skip
+    # Every other head of a wider pool: not contiguous, so read through the torch path.
+    wide = torch.stack((paged.key_cache, paged.key_cache), dim=2).flatten(1, 2)[:, ::2]
+    assert not wide.is_contiguous()
+    out = paged_attention(
+        query, wide, paged.value_cache, paged.block_table, paged.context_lens,
+        block_size=8, scale=0.25, backend="cpu",
+    )  # fmt: skip
+    expected = dense_attention(query, paged.keys, paged.values, scale=0.25)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_cpu_kernel_builds_into_its_cache_or_says_why_not(monkeypatch, tmp_path):
+    from blocktune.kernels import cpu_attention
+
+    monkeypatch.setenv("BLOCKTUNE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "no-such-compiler")
+    cpu_attention._load.cache_clear()
+    try:
+        assert cpu_attention.cpu_kernel_error() == "no C compiler found ($CC or cc)"
+        assert cpu_attention.default_backend("cpu") == "torch"
+        with pytest.raises(KernelInputError, match=r"backend 'cpu' is unavailable here .*'torch'"):
+            require_cpu_kernel("cpu")
+        monkeypatch.setenv("CC", "cc --no-such-flag")
+        cpu_attention._load.cache_clear()
+        if cpu_attention._compiler() is not None:
+            assert "failed" in cpu_attention.cpu_kernel_error()
+            assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-written kept
+        monkeypatch.delenv("CC")
+        cpu_attention._load.cache_clear()
+        if cpu_attention.cpu_kernel_error() is None:
+            assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so"]
+            assert cpu_attention.default_backend("cpu") == "cpu"
+    finally:
+        cpu_attention._load.cache_clear()
+    assert cpu_attention.default_backend("cuda") == "triton"

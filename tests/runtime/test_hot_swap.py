@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from blocktune.kernels.cache_ops import copy_blocks
-from blocktune.kernels.paged_attention import KernelInputError, require_triton
+from blocktune.kernels.paged_attention import KernelInputError, require_cpu_kernel, require_triton
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.runtime.block_table import BlockTable
 from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
@@ -331,6 +331,25 @@ def test_triton_backend_serves_and_swaps_with_identical_tokens(model):
     tokens, results, _ = _serve(model, prompts, swaps={2: 32, 4: 8}, max_tokens=6, **config)
     assert tokens == expected
     assert [r.status for r in results] == ["done", "done"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_serves_and_swaps_with_the_torch_backends_tokens(model, dtype):
+    """The C kernel that reads blocks in place gives the gathering torch backend's tokens,
+    through grows and shrinks, in float32 and bfloat16."""
+    try:
+        require_cpu_kernel("cpu")
+    except KernelInputError as error:  # no C compiler here
+        pytest.skip(str(error))
+    model = copy.deepcopy(model).to(dtype)
+    prompts = _prompts(5, seed=8)
+    config = {"candidate_block_sizes": (8, 16, 32)}
+    expected, _, _ = _serve(model, prompts, attention_backend="torch", **config)
+    swaps = {2: 32, 5: 8, 8: 16}
+    tokens, results, engine = _serve(model, prompts, swaps, attention_backend="cpu", **config)
+    assert engine.config.attention_backend == "cpu"
+    assert tokens == expected and all(t is not None for t in tokens)
+    assert [r.status for r in results] == ["done", "done", "done"]
 
 
 def test_a_rolled_back_grow_leaves_the_prefix_cache_intact(model):

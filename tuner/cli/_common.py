@@ -422,9 +422,11 @@ def add_engine_arguments(
     )
     parser.add_argument(
         "--backend",
-        choices=("torch", "triton"),
-        default="torch",
-        help="paged attention backend (default: %(default)s)",
+        choices=("torch", "triton", "cpu"),
+        default=None,
+        help="paged attention backend: cpu reads the KV blocks in place with a C kernel "
+        "built on first use, torch gathers them for torch's attention, triton needs CUDA "
+        "(default: triton on CUDA, else cpu where a C compiler builds its kernel, else torch)",
     )
     parser.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     parser.add_argument(

@@ -352,7 +352,7 @@ def _live_run(
 
 def _engine(model: LlamaModel, server: StepCostModel, block_size: int, workload: Workload):
     """A fresh engine with the simulator's pool at `block_size` and the policy's batch limits
-    (Triton attention on CUDA, torch elsewhere, as `blocktune calibrate` measures)."""
+    (the attention backend `blocktune calibrate` measures: `default_backend`)."""
     from blocktune.runtime.engine import Engine, EngineConfig
 
     policy = server.policy
@@ -364,7 +364,6 @@ def _engine(model: LlamaModel, server: StepCostModel, block_size: int, workload:
             max_num_seqs=policy.max_num_seqs,
             max_num_batched_tokens=policy.max_num_batched_tokens,
             max_model_len=int(workload.total_tokens.max()),
-            attention_backend="triton" if model.device.type == "cuda" else "torch",
             enable_prefix_caching=policy.max_num_batched_tokens is None,
             candidate_block_sizes=(block_size,),
         ),

@@ -260,8 +260,11 @@ def measured_provenance(device: str, backend: str, grid: object, notes: str) -> 
 def measure_calibration(
     grid: Grid, device: str, *, progress: Callable[[str], None] = lambda _: None
 ) -> Calibration:
-    """Run every measurement on `device` ("cuda": Triton kernels, "cpu": torch ones)."""
-    backend = "triton" if device == "cuda" else "torch"
+    """Run every measurement on `device` with its `default_backend` (Triton kernels on
+    CUDA; on a CPU the C kernel where it builds, torch operators otherwise)."""
+    from blocktune.kernels.cpu_attention import default_backend
+
+    backend = default_backend(device)
     progress(f"kernel: {len(grid.block_sizes)} block sizes x {len(grid.context_lens)} contexts")
     kernel = measure_kernel(grid, device, backend)
     progress("host bookkeeping per token")

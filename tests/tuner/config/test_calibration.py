@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from blocktune.kernels.cpu_attention import default_backend
 from blocktune.tuner.cli import main
 from blocktune.tuner.config.calibration import (
     ANALYTIC_FILE,
@@ -178,7 +179,7 @@ def test_calibrate_on_cpu_writes_a_measured_file(tmp_path, capsys):
     assert "kind: measured" in printed
     calibration = load_calibration(out)
     provenance = calibration.provenance
-    assert provenance.kind == "measured" and provenance.backend == "torch"
+    assert provenance.kind == "measured" and provenance.backend == default_backend("cpu")
     assert provenance.torch == torch.__version__
     assert provenance.grid["block_sizes"] == [8, 32] and provenance.grid["context_lens"]
     assert calibration.block_sizes == (8, 32)

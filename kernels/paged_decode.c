@@ -1,0 +1,127 @@
+/* Decode attention over a paged KV cache, read in place (no gather, no padding).
+
+   Built by blocktune.kernels.cpu_attention with the machine's C compiler and called
+   through ctypes. One query token per sequence; each (sequence, KV head) pair is
+   one task: the scores of the KV head's group of query heads over the sequence's
+   context, an exact softmax in fp32, then the weighted sum of the values, all read
+   block by block through the block table. Layouts:
+
+     query, out   [num_seqs, num_kv_heads, group, head_dim]  fp32, contiguous
+     caches       [num_slots, num_kv_heads, head_dim]         fp32 or bfloat16
+     block_table  [num_seqs, table_stride]                    int32
+     context_lens [num_seqs]                                  int32
+*/
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+static inline float bf16_to_float(uint16_t bits) {
+  union { uint32_t u; float f; } value = {.u = (uint32_t)bits << 16};
+  return value.f;
+}
+
+/* The dot products and the weighted sum over one token's head_dim values, for either
+   storage type; `dim` is a compile-time constant in the common cases so that the
+   loops unroll and vectorise fully. */
+#define DEFINE_TOKEN_OPS(NAME, TYPE, LOAD)                                                \
+  static inline float NAME##_dot(const float *q, const TYPE *k, int dim) {               \
+    float acc = 0.f;                                                                     \
+    _Pragma("omp simd reduction(+ : acc)") for (int d = 0; d < dim; d++)                 \
+        acc += q[d] * LOAD(k[d]);                                                        \
+    return acc;                                                                          \
+  }                                                                                      \
+  static inline void NAME##_axpy(float w, const TYPE *v, float *out, int dim) {          \
+    _Pragma("omp simd") for (int d = 0; d < dim; d++) out[d] += w * LOAD(v[d]);          \
+  }
+
+#define LOAD_F32(x) (x)
+#define LOAD_BF16(x) bf16_to_float(x)
+DEFINE_TOKEN_OPS(f32, float, LOAD_F32)
+DEFINE_TOKEN_OPS(bf16, uint16_t, LOAD_BF16)
+
+#define DEFINE_ATTEND(NAME, TYPE)                                                        \
+  static void NAME##_attend(const float *q, const TYPE *keys, const TYPE *values,        \
+                            const int32_t *blocks, int len, int num_kv_heads, int head,  \
+                            int group, int dim, int block_size, float scale, float *out, \
+                            float *scores) {                                             \
+    int num_blocks = (len + block_size - 1) / block_size;                                \
+    int64_t token_stride = (int64_t)num_kv_heads * dim;                                  \
+    for (int j = 0; j < num_blocks; j++) {                                               \
+      const TYPE *k = keys + (int64_t)blocks[j] * block_size * token_stride +            \
+                      (int64_t)head * dim;                                               \
+      int first = j * block_size;                                                        \
+      int count = len - first < block_size ? len - first : block_size;                   \
+      for (int i = 0; i < count; i++, k += token_stride)                                 \
+        for (int g = 0; g < group; g++)                                                  \
+          scores[g * len + first + i] = NAME##_dot(q + g * dim, k, dim) * scale;         \
+    }                                                                                    \
+    for (int g = 0; g < group; g++) {                                                    \
+      float *p = scores + g * len, top = -INFINITY, sum = 0.f;                           \
+      for (int t = 0; t < len; t++) top = p[t] > top ? p[t] : top;                       \
+      for (int t = 0; t < len; t++) {                                                    \
+        p[t] = expf(p[t] - top);                                                         \
+        sum += p[t];                                                                     \
+      }                                                                                  \
+      float inverse = 1.f / sum;                                                         \
+      for (int t = 0; t < len; t++) p[t] *= inverse;                                     \
+    }                                                                                    \
+    memset(out, 0, sizeof(float) * group * dim);                                         \
+    for (int j = 0; j < num_blocks; j++) {                                               \
+      const TYPE *v = values + (int64_t)blocks[j] * block_size * token_stride +          \
+                      (int64_t)head * dim;                                               \
+      int first = j * block_size;                                                        \
+      int count = len - first < block_size ? len - first : block_size;                   \
+      for (int i = 0; i < count; i++, v += token_stride)                                 \
+        for (int g = 0; g < group; g++)                                                  \
+          NAME##_axpy(scores[g * len + first + i], v, out + g * dim, dim);               \
+    }                                                                                    \
+  }
+
+DEFINE_ATTEND(f32, float)
+DEFINE_ATTEND(bf16, uint16_t)
+
+/* Returns 0, or -1 where a thread's score buffer could not be allocated. */
+int paged_decode(const float *query, const void *key_cache, const void *value_cache,
+                 int is_bf16, const int32_t *block_table, int table_stride,
+                 const int32_t *context_lens, int num_seqs, int num_kv_heads, int group,
+                 int head_dim, int block_size, float scale, int num_threads, float *out) {
+  int longest = 0;
+  for (int s = 0; s < num_seqs; s++) longest = context_lens[s] > longest ? context_lens[s] : longest;
+  int tasks = num_seqs * num_kv_heads, failed = 0;
+#pragma omp parallel num_threads(num_threads) if (num_threads > 1 && tasks > 1)
+  {
+    float *scores = malloc(sizeof(float) * (size_t)group * (longest > 0 ? longest : 1));
+    if (!scores) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int task = 0; task < tasks; task++) {
+      if (!scores) continue;
+      int s = task / num_kv_heads, head = task % num_kv_heads;
+      int64_t offset = (int64_t)task * group * head_dim;
+      const int32_t *blocks = block_table + (int64_t)s * table_stride;
+      int len = context_lens[s];
+#define CALL(NAME, TYPE, DIM)                                                                 \
+  NAME##_attend(query + offset, (const TYPE *)key_cache, (const TYPE *)value_cache, blocks,  \
+                len, num_kv_heads, head, group, DIM, block_size, scale, out + offset, scores)
+      if (is_bf16) {
+        if (head_dim == 64) CALL(bf16, uint16_t, 64);
+        else if (head_dim == 128) CALL(bf16, uint16_t, 128);
+        else CALL(bf16, uint16_t, head_dim);
+      } else {
+        if (head_dim == 64) CALL(f32, float, 64);
+        else if (head_dim == 128) CALL(f32, float, 128);
+        else CALL(f32, float, head_dim);
+      }
+#undef CALL
+    }
+    free(scores);
+  }
+  return failed ? -1 : 0;
+}
