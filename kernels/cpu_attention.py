@@ -46,7 +46,7 @@ BUILD_TIMEOUT_S = 120
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
-_SIGNATURE = (_P, _P, _P, _I, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P)
+_SIGNATURE = (_P, _P, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _I, _P)
 
 
 def kernel_cache_dir() -> Path:
@@ -143,22 +143,28 @@ def paged_attention_cpu(
     *,
     block_size: int,
     scale: float | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention of `query [num_seqs, num_heads, head_dim]` over one layer's paged
-    cache, read in place by the C kernel; returns `[num_seqs, num_heads, head_dim]` in
-    `query.dtype`. Inputs are CPU tensors already checked by the caller (shapes, dtypes in
-    `CPU_DTYPES`, context lengths within the block table and the pool).
+    """Attention of `query [rows, num_heads, head_dim]` over one layer's paged cache, read
+    in place by the C kernel; returns `[rows, num_heads, head_dim]` in `query.dtype`.
+
+    Row `i` attends the first `context_lens[i]` tokens of block-table row `table_rows[i]`
+    (int32; row `i` where None): a decode token its whole context; the tokens of a prefill
+    chunk, each up to itself, can share their sequence's row (with `block_size` 1 the
+    table rows are slot lists). Inputs are CPU tensors the caller has checked (shapes,
+    dtypes in `CPU_DTYPES`, contiguous caches, lengths within the table and the pool).
     """
     loaded = _load()
     if isinstance(loaded, str):
         raise RuntimeError(f"the cpu attention kernel is unavailable: {loaded}")
-    num_seqs, num_heads, head_dim = query.shape
+    num_rows, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-    grouped = query.float().contiguous()  # [S, H, D] = [S, KVH, group, D]
+    grouped = query.float().contiguous()  # [rows, H, D] = [rows, KVH, group, D]
     out = torch.empty_like(grouped)
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     lens = context_lens.contiguous()
+    rows = None if table_rows is None else table_rows.contiguous()
     status = loaded.paged_decode(
         grouped.data_ptr(),
         key_cache.data_ptr(),
@@ -166,8 +172,9 @@ def paged_attention_cpu(
         int(key_cache.dtype == torch.bfloat16),
         table.data_ptr(),
         table.stride(0),
+        None if rows is None else rows.data_ptr(),
         lens.data_ptr(),
-        num_seqs,
+        num_rows,
         num_kv_heads,
         num_heads // num_kv_heads,
         head_dim,

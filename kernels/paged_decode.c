@@ -1,15 +1,18 @@
-/* Decode attention over a paged KV cache, read in place (no gather, no padding).
+/* Attention of query rows over a paged KV cache, read in place (no gather, no padding).
 
    Built by blocktune.kernels.cpu_attention with the machine's C compiler and called
-   through ctypes. One query token per sequence; each (sequence, KV head) pair is
-   one task: the scores of the KV head's group of query heads over the sequence's
+   through ctypes. Each query row attends the first context_lens[row] tokens of its
+   block-table row (row_of[row], or the row itself where row_of is NULL): a decode
+   token its whole sequence, a prefill token its sequence up to itself. Each (row, KV
+   head) pair is one task: the scores of the KV head's group of query heads over the
    context, an exact softmax in fp32, then the weighted sum of the values, all read
    block by block through the block table. Layouts:
 
-     query, out   [num_seqs, num_kv_heads, group, head_dim]  fp32, contiguous
+     query, out   [num_rows, num_kv_heads, group, head_dim]  fp32, contiguous
      caches       [num_slots, num_kv_heads, head_dim]         fp32 or bfloat16
-     block_table  [num_seqs, table_stride]                    int32
-     context_lens [num_seqs]                                  int32
+     block_table  [table rows, table_stride]                  int32
+     context_lens [num_rows]                                  int32
+     row_of       [num_rows] int32, or NULL
 */
 #include <math.h>
 #include <stdint.h>
@@ -88,7 +91,8 @@ DEFINE_ATTEND(bf16, uint16_t)
 /* Returns 0, or -1 where a thread's score buffer could not be allocated. */
 int paged_decode(const float *query, const void *key_cache, const void *value_cache,
                  int is_bf16, const int32_t *block_table, int table_stride,
-                 const int32_t *context_lens, int num_seqs, int num_kv_heads, int group,
+                 const int32_t *row_of, const int32_t *context_lens, int num_seqs,
+                 int num_kv_heads, int group,
                  int head_dim, int block_size, float scale, int num_threads, float *out) {
   int longest = 0;
   for (int s = 0; s < num_seqs; s++) longest = context_lens[s] > longest ? context_lens[s] : longest;
@@ -105,7 +109,7 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
       if (!scores) continue;
       int s = task / num_kv_heads, head = task % num_kv_heads;
       int64_t offset = (int64_t)task * group * head_dim;
-      const int32_t *blocks = block_table + (int64_t)s * table_stride;
+      const int32_t *blocks = block_table + (int64_t)(row_of ? row_of[s] : s) * table_stride;
       int len = context_lens[s];
 #define CALL(NAME, TYPE, DIM)                                                                 \
   NAME##_attend(query + offset, (const TYPE *)key_cache, (const TYPE *)value_cache, blocks,  \

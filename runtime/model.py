@@ -23,12 +23,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 from blocktune.kernels.cache_ops import write_kv
-from blocktune.kernels.cpu_attention import CPU_DTYPES
+from blocktune.kernels.cpu_attention import CPU_DTYPES, paged_attention_cpu
 from blocktune.kernels.paged_attention import decode_layout, paged_attention
 from blocktune.runtime.kv_cache import KVCache
 from blocktune.runtime.linear import FusedProjections, PackedLinear
@@ -42,6 +43,10 @@ __all__ = [
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # Mistral only without a sliding window
+# On the cpu backend a prefill chunk of at most this many new tokens attends through the
+# C kernel, each token one query row over its slots (no gather, no call of its own); a
+# longer one through torch's fused attention, which reuses each K/V tile for all its rows.
+IN_PLACE_CHUNK_TOKENS = 16
 
 
 class ModelLoadError(ValueError):
@@ -346,6 +351,48 @@ def causal_attention(
     return out[0].transpose(0, 1)
 
 
+@dataclass(frozen=True)
+class _ShortChunks:
+    """The query rows of a step's short prefill chunks, laid out for the cpu kernel once
+    for every layer: each chunk's context slots as one table row (block size 1), and
+    per query row its table row and its context up to itself."""
+
+    rows: slice | torch.Tensor  # the rows of q; a slice where they are consecutive
+    slots: torch.Tensor  # [chunks, longest context] int32
+    table_rows: torch.Tensor  # [rows] int32
+    lens: torch.Tensor  # [rows] int32
+
+    @classmethod
+    def of(
+        cls, chunks: Sequence[tuple[int, torch.Tensor]], first_row: int, device: torch.device
+    ) -> _ShortChunks | None:
+        """The short chunks among `chunks` (whose rows start at `first_row`), or None."""
+        rows, table_rows, lens, contexts = [], [], [], []
+        row = first_row
+        for num_new, context in chunks:
+            if num_new <= IN_PLACE_CHUNK_TOKENS:
+                rows.extend(range(row, row + num_new))
+                table_rows.extend([len(contexts)] * num_new)
+                lens.extend(range(len(context) - num_new + 1, len(context) + 1))
+                contexts.append(context)
+            row += num_new
+        if not rows:
+            return None
+        slots = torch.zeros(len(contexts), max(map(len, contexts)), dtype=torch.int32)
+        for index, context in enumerate(contexts):
+            slots[index, : len(context)] = context
+        consecutive = rows[-1] - rows[0] + 1 == len(rows)
+        as_tensor = partial(torch.tensor, dtype=torch.int32, device=device)
+        return cls(
+            slice(rows[0], rows[-1] + 1)
+            if consecutive
+            else torch.tensor(rows, dtype=torch.long, device=device),
+            slots.to(device),
+            as_tensor(table_rows),
+            as_tensor(lens),
+        )
+
+
 class LlamaModel(nn.Module):
     """The decoder: token ids in, next-token logits out."""
 
@@ -412,33 +459,48 @@ class LlamaModel(nn.Module):
         layout = None  # every layer reads the same blocks: lay them out once
         if num_decodes and not in_place:
             layout = decode_layout(kv.k[0], block_table, context_lens, block_size=block_size)
+        short = None
+        if backend == "cpu" and in_place:
+            short = _ShortChunks.of(chunks, num_decodes, token_ids.device)
 
         def attend(layer, q, k, v):
             keys, values = kv.k[layer], kv.v[layer]
             # The slots are the same for every layer: checked once, in the first.
             write_kv(keys, values, k, v, slots, backend=backend, check_slots=layer == 0)
-            parts = []
+            out = torch.empty_like(q)
             if num_decodes:
-                parts.append(
-                    paged_attention(
-                        q[:num_decodes],
-                        keys,
-                        values,
-                        block_table,
-                        context_lens,
-                        block_size=block_size,
-                        scale=self.scale,
-                        backend=backend,
-                        layout=layout,
-                        check_values=layer == 0,
-                    )
+                out[:num_decodes] = paged_attention(
+                    q[:num_decodes],
+                    keys,
+                    values,
+                    block_table,
+                    context_lens,
+                    block_size=block_size,
+                    scale=self.scale,
+                    backend=backend,
+                    layout=layout,
+                    check_values=layer == 0,
+                )
+            if short is not None:
+                out[short.rows] = paged_attention_cpu(
+                    q[short.rows],
+                    keys,
+                    values,
+                    short.slots,
+                    short.lens,
+                    block_size=1,
+                    scale=self.scale,
+                    table_rows=short.table_rows,
                 )
             row = num_decodes
             for num_new, context in chunks:
-                chunk = q[row : row + num_new]
-                parts.append(causal_attention(chunk, keys[context], values[context], self.scale))
+                if short is None or num_new > IN_PLACE_CHUNK_TOKENS:
+                    chunk = q[row : row + num_new]
+                    out[row : row + num_new] = causal_attention(
+                        chunk, keys[context], values[context], self.scale
+                    )
                 row += num_new
-            return torch.cat(parts)
+            return out
 
         hidden = self._run(token_ids, positions, attend)
         return self.lm_head(hidden[logit_rows]).float()
