@@ -41,8 +41,8 @@ def test_from_budget_sizes_the_pool():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_a_pool_starts_zeroed_in_its_dtype_with_every_tensor_its_own_memory(dtype):
-    """On a CPU the pool's memory comes from calloc: zero, of the dtype and shape asked for,
-    contiguous and writable, and no two of its tensors share a byte."""
+    """On a CPU the pool's memory is a lazily zeroed memory map: zero, of the dtype and
+    shape asked for, contiguous and writable, and no two of its tensors share a byte."""
     cache = KVCache(num_layers=2, num_kv_heads=3, head_dim=8, num_slots=40, dtype=dtype)
     tensors = [*cache.k, *cache.v]
     for tensor in tensors:
