@@ -244,3 +244,54 @@ def test_chunked_prefill_settings_are_checked():
         EngineConfig(num_blocks=4, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(num_blocks=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+
+
+def test_cpu_backend_gives_the_torch_backends_logits_for_short_chunks_and_whole_prompts(
+    model, monkeypatch
+):
+    """Prompts that share a cached prefix leave short prefill tails, which the cpu backend
+    attends in place next to decodes and whole prompts: every step's logits are the torch
+    backend's, to within rounding, and so are the tokens."""
+    from blocktune.kernels.paged_attention import KernelInputError, require_cpu_kernel
+    from blocktune.runtime import model as model_module
+
+    try:
+        require_cpu_kernel("cpu")
+    except KernelInputError as error:  # no C compiler here
+        pytest.skip(str(error))
+    shared = _prompts(1, seed=4, low=24, high=24)[0]
+    tails = _prompts(6, seed=5, low=1, high=12)
+    prompts = [shared + [1]] + [shared + tail for tail in tails] + _prompts(3, seed=6, low=30)
+    short_rows, logits = [], {"torch": [], "cpu": []}
+    of = model_module._ShortChunks.of
+    forward_step = model.forward_step
+
+    def spy(*args):
+        found = of(*args)
+        short_rows.append(0 if found is None else len(found.lens))
+        return found
+
+    def recording(*args, **kwargs):
+        out = forward_step(*args, **kwargs)
+        logits[kwargs["backend"]].append(out)
+        return out
+
+    monkeypatch.setattr(model_module._ShortChunks, "of", spy)
+    monkeypatch.setattr(model, "forward_step", recording)
+    tokens = {}
+    for backend in ("torch", "cpu"):
+        engine = Engine(
+            model,
+            EngineConfig(
+                block_size=8, num_blocks=128, enable_prefix_caching=True, attention_backend=backend
+            ),
+        )
+        engine.generate(prompts[:1], SamplingParams(max_tokens=1))  # caches the shared blocks
+        outputs = engine.generate(prompts[1:], SamplingParams(max_tokens=10))
+        tokens[backend] = [o.token_ids for o in outputs]
+        assert engine.prefix_hit_tokens >= 6 * 24
+    assert tokens["cpu"] == tokens["torch"]
+    assert len(logits["cpu"]) == len(logits["torch"]) > 10
+    for cpu, reference in zip(logits["cpu"], logits["torch"], strict=True):
+        torch.testing.assert_close(cpu, reference, atol=1e-5, rtol=1e-5)
+    assert sum(short_rows) >= sum(map(len, tails))  # the tails went through the C kernel
