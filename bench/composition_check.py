@@ -14,6 +14,10 @@ alike on average; a grid point and a rebuilt batch are still seconds apart, and 
 machine whose speed moves within seconds one configuration repeated to about +-0.2
 (bench/results/2026-12-03-calibration-fidelity.md).
 
+`--backend` sets the attention backend of every engine (default: torch, whose chunked
+layout the modes below vary; the engine's own default on a CPU is cpu, which reads every
+sequence in place and has no chunks).
+
 With `--one-chunk` the torch decode attention reads every batch as one chunk padded to its
 longest context (its grouping constants set huge for the run), which is what the step
 form's padded term describes.
@@ -29,7 +33,7 @@ Their paired ratio (as drawn over uniform, per batch) measures what mixed length
 equal work, free of the drift between runs that separate runs of the two leave in.
 
     python bench/composition_check.py TRACE [--format azure] [--batches 40] [--one-chunk]
-        [--against-uniform | --against-one-chunk]
+        [--against-uniform | --against-one-chunk] [--backend torch|cpu]
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+from dataclasses import replace
 
 import numpy as np
 from trace_setup import TraceSetup, add_trace_arguments
@@ -149,6 +154,9 @@ def main() -> None:
         help="also time each batch read as one chunk, back to back",
     )
     parser.add_argument("--seed", type=int, default=0, help="default: 0")
+    parser.add_argument(
+        "--backend", choices=("torch", "cpu"), default="torch", help="default: %(default)s"
+    )
     args = parser.parse_args()
     default_layout = (
         paged_attention.PAD_RATIO,
@@ -161,20 +169,21 @@ def main() -> None:
     model, workload, size = setup.model, setup.workload, args.block_size
     served, calibration, grid = setup.served, setup.calibration, setup.grid
     server = StepCostModel(served, calibration)
-    recorder = BatchRecorder(model, live_engine(model, server, size, workload).config)
+    live_config = live_engine(model, server, size, workload).config
+    recorder = BatchRecorder(model, replace(live_config, attention_backend=args.backend))
     serve_live(recorder, workload, timer=CLOCK, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     batches = drawn(recorder.batches, args.batches, rng)
     del recorder
     longest = max(max(batch) for batch in batches)
-    grid_engine = engine_measure._engine(model, grid, size, "torch")
+    grid_engine = engine_measure._engine(model, grid, size, args.backend)
     most = max(map(len, batches))
     # A pool and positions for the largest batch: a rebuilt request may ask for up to its
     # context + the batch's admissions + REPEATS + 2 tokens (`rebuilt_steps`).
     batch_grid = engine_measure.EngineGrid(
         (size,), (most,), (longest,), (longest,), repeats=REPEATS + most
     )
-    batch_engine = engine_measure._engine(model, batch_grid, size, "torch")
+    batch_engine = engine_measure._engine(model, batch_grid, size, args.backend)
     for engine in (grid_engine, batch_engine):
         engine_measure._warm_up(engine, rng)
     points = engine_measure._points(grid)
@@ -205,7 +214,8 @@ def main() -> None:
     coefficients = fit_steps(grid_steps).coefficients[size]
     print(
         f"{args.trace}: {len(workload)} requests, {args.model}, B={size}, "
-        f"{'one chunk' if args.one_chunk else 'default layout'}, load {os.getloadavg()}"
+        f"{args.backend} backend, {'one chunk' if args.one_chunk else 'default layout'}, "
+        f"load {os.getloadavg()}"
     )
     print(f"{len(batches)} rebuilt batches, {len(grid_steps)} grid steps")
     second = "as one chunk" if args.against_one_chunk else "uniform"
