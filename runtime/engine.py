@@ -41,7 +41,7 @@ import torch
 from blocktune.kernels import is_power_of_two
 from blocktune.kernels.cache_ops import copy_blocks, warmup_cache_ops
 from blocktune.kernels.cpu_attention import default_backend
-from blocktune.kernels.paged_attention import BACKENDS, require_cpu_kernel, warmup
+from blocktune.kernels.paged_attention import BACKENDS, warmup
 from blocktune.runtime.block_manager import BlockManager, blocks_for
 from blocktune.runtime.block_table import BlockTable
 from blocktune.runtime.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CANDIDATES
@@ -248,24 +248,24 @@ class Engine:
         self._swap_bytes_moved = 0
         # Test seam: called with "copy" and "table" during a swap's prepare phase.
         self.swap_fault_hook: Callable[[str], None] | None = None
-        if config.attention_backend == "cpu":
-            require_cpu_kernel(model.device)  # built now, or a clear error, before serving
-        if config.attention_backend == "triton":
-            # Compile every kernel a swap may need now, never in the middle of serving.
-            warmup(
-                config.candidate_block_sizes,
-                num_heads=mc.num_heads,
-                num_kv_heads=mc.num_kv_heads,
-                head_dim=mc.head_dim,
-                dtype=model.dtype,
-                device=model.device,
-            )
-            warmup_cache_ops(
-                num_kv_heads=mc.num_kv_heads,
-                head_dim=mc.head_dim,
-                dtype=model.dtype,
-                device=model.device,
-            )
+        # Compile (Triton) or build (cpu) every kernel a swap may need now, never in the
+        # middle of serving; a backend that cannot run here says why before serving.
+        warmup(
+            config.candidate_block_sizes,
+            num_heads=mc.num_heads,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=model.dtype,
+            device=model.device,
+            backend=config.attention_backend,
+        )
+        warmup_cache_ops(
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=model.dtype,
+            device=model.device,
+            backend=config.attention_backend,
+        )
 
     # ------------------------------------------------------------------ requests
     def add_listener(self, listener: Callable[[FinishedRequest], None]) -> None:

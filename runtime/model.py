@@ -455,13 +455,11 @@ class LlamaModel(nn.Module):
         tokens and the slots of its sequence's whole context up to its last new token.
         """
         num_decodes = block_table.shape[0]
-        in_place = backend == "triton" or (backend == "cpu" and kv.k[0].dtype in CPU_DTYPES)
+        c_kernel = backend == "cpu" and kv.k[0].dtype in CPU_DTYPES  # reads blocks in place
         layout = None  # every layer reads the same blocks: lay them out once
-        if num_decodes and not in_place:
+        if num_decodes and backend != "triton" and not c_kernel:
             layout = decode_layout(kv.k[0], block_table, context_lens, block_size=block_size)
-        short = None
-        if backend == "cpu" and in_place:
-            short = _ShortChunks.of(chunks, num_decodes, token_ids.device)
+        short = _ShortChunks.of(chunks, num_decodes, token_ids.device) if c_kernel else None
 
         def attend(layer, q, k, v):
             keys, values = kv.k[layer], kv.v[layer]
