@@ -69,10 +69,13 @@ def served_shape(model: EngineModel) -> ModelShape:
 
 class VllmPool:
     """A vLLM server's pool as its /metrics tells it: blocks, blocks in use, preemptions;
-    `watch` scrapes in a thread and keeps the peak."""
+    `watch` scrapes in a thread and keeps the peak. Scrapes share one HTTP client (a new
+    one costs tens of milliseconds of CPU, taken from the server being measured); `close`
+    ends it."""
 
     def __init__(self, url: str) -> None:
         self.url = url
+        self._client = httpx.Client(timeout=5)
         self.num_blocks: int | None = None
         self.peak_blocks = 0.0
         self._stop = threading.Event()
@@ -80,7 +83,7 @@ class VllmPool:
 
     def scrape(self) -> tuple[float, float]:
         """(blocks in use, preemptions so far); the pool's size is read on the way."""
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        text = self._client.get(f"{self.url}/metrics").text
         usage = preemptions = 0.0
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -110,6 +113,11 @@ class VllmPool:
         if self._thread is not None:
             self._thread.join()
         return self.peak_blocks
+
+    def close(self) -> None:
+        """Stop watching and close the HTTP client."""
+        self.stop()
+        self._client.close()
 
 
 def replay(client: VllmClient, pool: VllmPool, workload: Workload) -> ServedMetrics:
@@ -201,6 +209,7 @@ def validate_vllm(
                     measured.append(replay(client, pool, kept))
             finally:
                 client.close()
+                pool.close()
             vllm_blocks[block_size] = pool.num_blocks
         mean = ServedMetrics.mean(tuple(measured))
         sensitivity = step_sensitivity(kept, server, block_size, predicted, mean, seed=seed)
