@@ -28,24 +28,54 @@ static inline float bf16_to_float(uint16_t bits) {
   return value.f;
 }
 
-/* The dot products and the weighted sum over one token's head_dim values, for either
-   storage type; `dim` is a compile-time constant in the common cases so that the
-   loops unroll and vectorise fully. */
-#define DEFINE_TOKEN_OPS(NAME, TYPE, LOAD)                                                \
-  static inline float NAME##_dot(const float *q, const TYPE *k, int dim) {               \
-    float acc = 0.f;                                                                     \
-    _Pragma("omp simd reduction(+ : acc)") for (int d = 0; d < dim; d++)                 \
-        acc += q[d] * LOAD(k[d]);                                                        \
-    return acc;                                                                          \
+/* The two halves of a (row, KV head) task, for either storage type:
+
+   - `scores`: one token's key against the group's query heads (scores[g * len]); the
+     key's head_dim values are read (and, for bfloat16, widened) once for the group.
+   - `weigh`: a run of `count` tokens' values, `stride` apart, weighted by their
+     probabilities (p[g * len + i]) into the group's outputs; each query head's output is
+     accumulated in a stack array over the whole run, in token order (the same sums, in
+     the same order, as one token at a time).
+
+   `dim` is a compile-time constant in the common cases so that the loops unroll and
+   vectorise fully. */
+#define DEFINE_TOKEN_OPS(NAME, TYPE, WIDEN, LOAD)                                         \
+  static inline void NAME##_scores(const float *q, const TYPE *k, int group, int dim,     \
+                                   float scale, float *scores, int len) {                \
+    WIDEN(wide, k, dim);                                                                 \
+    for (int g = 0; g < group; g++) {                                                    \
+      const float *qg = q + g * dim;                                                     \
+      float acc = 0.f;                                                                   \
+      _Pragma("omp simd reduction(+ : acc)") for (int d = 0; d < dim; d++)               \
+          acc += qg[d] * wide[d];                                                        \
+      scores[g * len] = acc * scale;                                                     \
+    }                                                                                    \
   }                                                                                      \
-  static inline void NAME##_axpy(float w, const TYPE *v, float *out, int dim) {          \
-    _Pragma("omp simd") for (int d = 0; d < dim; d++) out[d] += w * LOAD(v[d]);          \
+  static inline void NAME##_weigh(const float *p, const TYPE *v, int64_t stride,         \
+                                  int count, int group, int dim, float *out, int len) {  \
+    for (int g = 0; g < group; g++) {                                                    \
+      float acc[(dim)], *og = out + g * dim;                                             \
+      const float *w = p + g * len;                                                      \
+      const TYPE *vi = v;                                                                \
+      _Pragma("omp simd") for (int d = 0; d < dim; d++) acc[d] = og[d];                  \
+      for (int i = 0; i < count; i++, vi += stride) {                                    \
+        float wi = w[i];                                                                 \
+        _Pragma("omp simd") for (int d = 0; d < dim; d++) acc[d] += wi * LOAD(vi[d]);    \
+      }                                                                                  \
+      _Pragma("omp simd") for (int d = 0; d < dim; d++) og[d] = acc[d];                  \
+    }                                                                                    \
   }
 
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_float(x)
-DEFINE_TOKEN_OPS(f32, float, LOAD_F32)
-DEFINE_TOKEN_OPS(bf16, uint16_t, LOAD_BF16)
+/* `wide`: a token's head_dim values as fp32, read in place for fp32 storage and widened
+   into a stack array for bfloat16. */
+#define WIDEN_F32(wide, x, dim) const float *wide = (x)
+#define WIDEN_BF16(wide, x, dim)                                                         \
+  float wide[(dim)];                                                                     \
+  _Pragma("omp simd") for (int d = 0; d < (dim); d++) wide[d] = LOAD_BF16((x)[d])
+DEFINE_TOKEN_OPS(f32, float, WIDEN_F32, LOAD_F32)
+DEFINE_TOKEN_OPS(bf16, uint16_t, WIDEN_BF16, LOAD_BF16)
 
 #define DEFINE_ATTEND(NAME, TYPE)                                                        \
   static void NAME##_attend(const float *q, const TYPE *keys, const TYPE *values,        \
@@ -60,8 +90,7 @@ DEFINE_TOKEN_OPS(bf16, uint16_t, LOAD_BF16)
       int first = j * block_size;                                                        \
       int count = len - first < block_size ? len - first : block_size;                   \
       for (int i = 0; i < count; i++, k += token_stride)                                 \
-        for (int g = 0; g < group; g++)                                                  \
-          scores[g * len + first + i] = NAME##_dot(q + g * dim, k, dim) * scale;         \
+        NAME##_scores(q, k, group, dim, scale, scores + first + i, len);                 \
     }                                                                                    \
     for (int g = 0; g < group; g++) {                                                    \
       float *p = scores + g * len, top = -INFINITY, sum = 0.f;                           \
@@ -79,9 +108,7 @@ DEFINE_TOKEN_OPS(bf16, uint16_t, LOAD_BF16)
                       (int64_t)head * dim;                                               \
       int first = j * block_size;                                                        \
       int count = len - first < block_size ? len - first : block_size;                   \
-      for (int i = 0; i < count; i++, v += token_stride)                                 \
-        for (int g = 0; g < group; g++)                                                  \
-          NAME##_axpy(scores[g * len + first + i], v, out + g * dim, dim);               \
+      NAME##_weigh(scores + first, v, token_stride, count, group, dim, out, len);        \
     }                                                                                    \
   }
 

@@ -1,0 +1,123 @@
+"""The cpu attention kernel against its source at another commit, alternating call by call.
+
+Builds `kernels/paged_decode.c` as it is in the working tree and as it was at `--baseline`
+(a git revision) with the flags the engine uses, then times both on the same decode inputs
+(SmolLM2-135M's heads: 9 query and 3 KV heads of 64, block size 32, contexts of 66-139
+tokens, one thread), alternating so that the machine's drift falls on both alike. Prints
+per dtype and batch the median and fastest call of each, the ratio of the medians and
+whether the two outputs are bitwise equal.
+
+    python bench/cpu_kernel_ab.py [--baseline HEAD] [--sequences 8 32] [--calls 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from blocktune.kernels import cpu_attention
+
+BLOCK_SIZE = 32
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+CONTEXTS = (66, 140)  # the vs_vllm chat workload's contexts while it decodes
+
+
+def build(source: Path, target: Path) -> ctypes.CDLL:
+    """The kernel library compiled from `source` as the engine compiles it."""
+    flags = (*cpu_attention.OPTIMISE, cpu_attention.OPENMP)
+    subprocess.run(["cc", *flags, str(source), "-o", str(target), "-lm"], check=True)
+    library = ctypes.CDLL(str(target))
+    library.paged_decode.argtypes = cpu_attention._SIGNATURE
+    library.paged_decode.restype = ctypes.c_int
+    return library
+
+
+def call(library: ctypes.CDLL, query, keys, values, table, lens) -> torch.Tensor:
+    """One call of `library`'s kernel on a decode batch; its fp32 output."""
+    grouped = query.float().contiguous()
+    out = torch.empty_like(grouped)
+    library.paged_decode(
+        grouped.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        int(keys.dtype == torch.bfloat16),
+        table.data_ptr(),
+        table.stride(0),
+        None,
+        lens.data_ptr(),
+        query.shape[0],
+        KV_HEADS,
+        HEADS // KV_HEADS,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        HEAD_DIM**-0.5,
+        1,
+        out.data_ptr(),
+    )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default="HEAD", help="git revision (default: HEAD)")
+    parser.add_argument("--sequences", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--calls", type=int, default=300, help="calls each (default: 300)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as scratch:
+        old_source = Path(scratch) / "baseline.c"
+        old_source.write_text(
+            subprocess.run(
+                ["git", "show", f"{args.baseline}:kernels/paged_decode.c"],
+                cwd=repo,
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+        )
+        libraries = {
+            args.baseline: build(old_source, Path(scratch) / "baseline.so"),
+            "working tree": build(cpu_attention.SOURCE, Path(scratch) / "working.so"),
+        }
+        print(f"{'dtype':>9} {'seqs':>4}  " + "  ".join(f"{n:>22}" for n in libraries))
+        for dtype in (torch.float32, torch.bfloat16):
+            pool_blocks = 4096
+            keys = torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM).to(dtype)
+            values = torch.randn_like(keys)
+            for sequences in args.sequences:
+                lens = torch.randint(*CONTEXTS, (sequences,), dtype=torch.int32)
+                width = -(-CONTEXTS[1] // BLOCK_SIZE)
+                table = torch.randperm(pool_blocks)[: sequences * width].view(sequences, width)
+                table = table.to(torch.int32)
+                query = torch.randn(sequences, HEADS, HEAD_DIM).to(dtype)
+                times = {name: [] for name in libraries}
+                outputs = {}
+                for _ in range(args.calls):
+                    for name, library in libraries.items():
+                        start = time.perf_counter()
+                        outputs[name] = call(library, query, keys, values, table, lens)
+                        times[name].append(time.perf_counter() - start)
+                medians = [statistics.median(t) for t in times.values()]
+                cells = [
+                    f"p50 {1e6 * m:6.0f} min {1e6 * min(t):6.0f} us"
+                    for m, t in zip(medians, times.values(), strict=True)
+                ]
+                old, new = outputs.values()
+                print(
+                    f"{str(dtype).removeprefix('torch.'):>9} {sequences:>4}  "
+                    + "  ".join(cells)
+                    + f"  new/old {medians[1] / medians[0]:.3f}  bitwise equal: "
+                    + ("yes" if torch.equal(old, new) else "no")
+                )
+
+
+if __name__ == "__main__":
+    main()
