@@ -31,12 +31,10 @@ CONTEXTS = (66, 140)  # the vs_vllm chat workload's contexts while it decodes
 
 def build(source: Path, target: Path) -> ctypes.CDLL:
     """The kernel library compiled from `source` as the engine compiles it."""
-    flags = (*cpu_attention.OPTIMISE, cpu_attention.OPENMP)
-    subprocess.run(["cc", *flags, str(source), "-o", str(target), "-lm"], check=True)
-    library = ctypes.CDLL(str(target))
-    library.paged_decode.argtypes = cpu_attention._SIGNATURE
-    library.paged_decode.restype = ctypes.c_int
-    return library
+    failure = cpu_attention._build(["cc"], target, source)
+    if failure:
+        raise SystemExit(failure)
+    return cpu_attention._open(target)
 
 
 def call(library: ctypes.CDLL, query, keys, values, table, lens) -> torch.Tensor:

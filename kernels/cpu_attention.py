@@ -73,14 +73,15 @@ def _cpu_signature() -> str:
     return "\n".join(next((line for line in lines if line.startswith(key)), "") for key in wanted)
 
 
-def _build(compiler: list[str], target: Path) -> str | None:
-    """Compile the kernel to `target` (OpenMP, else without); the compiler's message on failure."""
+def _build(compiler: list[str], target: Path, source: Path = SOURCE) -> str | None:
+    """Compile the kernel's `source` to `target` (OpenMP, else without); the compiler's
+    message on failure."""
     target.parent.mkdir(parents=True, exist_ok=True)
     message = ""
     for flags in ((*OPTIMISE, OPENMP), OPTIMISE):
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            command = [*compiler, *flags, str(SOURCE), "-o", str(built), "-lm"]
+            command = [*compiler, *flags, str(source), "-o", str(built), "-lm"]
             try:
                 run = subprocess.run(
                     command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
@@ -114,7 +115,12 @@ def _load() -> ctypes.CDLL | str:
             failure = f"cannot write {target.parent}: {error}"
         if failure:
             return failure
-    library = ctypes.CDLL(str(target))
+    return _open(target)
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """A built kernel library, its entry point typed for ctypes."""
+    library = ctypes.CDLL(str(path))
     library.paged_decode.argtypes = _SIGNATURE
     library.paged_decode.restype = ctypes.c_int
     return library

@@ -9,6 +9,7 @@ they answer (`free_port`, `wait_until_ready`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -60,10 +61,8 @@ def wait_until_ready(
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise NotReady(f"{url} exited with code {process.returncode} before it was ready")
-            try:
+            with contextlib.suppress(httpx.HTTPError):  # not listening yet: poll again
                 if client.get(f"{url}{path}").status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
             time.sleep(READY_POLL_S)
     raise NotReady(f"{url}{path} did not answer 200 within {timeout_s:.0f} s")
