@@ -1,7 +1,9 @@
 """The cpu attention kernel against its source at another commit, alternating call by call.
 
-Builds `kernels/paged_decode.c` as it is in the working tree and as it was at `--baseline`
-(a git revision) with the flags the engine uses, then times both on the same decode inputs
+Builds the cpu kernel library (`kernels/paged_decode.c` with `layer_ops.c` and their header)
+as it is in the working tree and as it was at `--baseline` (a git revision whose
+`paged_decode` takes the same arguments: the query's and output's row strides came with the
+fused layer operators) with the flags the engine uses, then times both on the same decode inputs
 (SmolLM2-135M's heads: 9 query and 3 KV heads of 64, block size 32, contexts of 66-139
 tokens, one thread), alternating so that the machine's drift falls on both alike. Prints
 per dtype and batch the median and fastest call of each, the ratio of the medians and
@@ -22,27 +24,27 @@ from pathlib import Path
 
 import torch
 
-from blocktune.kernels import cpu_attention
+from blocktune.kernels import cpu_library
 
 BLOCK_SIZE = 32
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 CONTEXTS = (66, 140)  # the vs_vllm chat workload's contexts while it decodes
 
 
-def build(source: Path, target: Path) -> ctypes.CDLL:
-    """The kernel library compiled from `source` as the engine compiles it."""
-    failure = cpu_attention._build(["cc"], target, source)
+def build(sources: tuple[Path, ...], target: Path) -> ctypes.CDLL:
+    """The kernel library compiled from `sources` as the engine compiles it."""
+    failure = cpu_library.build(["cc"], target, sources)
     if failure:
         raise SystemExit(failure)
-    return cpu_attention._open(target)
+    return cpu_library.open_library(target)
 
 
 def call(library: ctypes.CDLL, query, keys, values, table, lens) -> torch.Tensor:
-    """One call of `library`'s kernel on a decode batch; its fp32 output."""
-    grouped = query.float().contiguous()
-    out = torch.empty_like(grouped)
+    """One call of `library`'s kernel on a decode batch; its output, in the cache's dtype."""
+    out = torch.empty(query.shape, dtype=keys.dtype)
     library.paged_decode(
-        grouped.data_ptr(),
+        query.data_ptr(),
+        query.stride(0),
         keys.data_ptr(),
         values.data_ptr(),
         int(keys.dtype == torch.bfloat16),
@@ -58,6 +60,7 @@ def call(library: ctypes.CDLL, query, keys, values, table, lens) -> torch.Tensor
         HEAD_DIM**-0.5,
         1,
         out.data_ptr(),
+        out.stride(0),
     )
     return out
 
@@ -71,19 +74,23 @@ def main() -> None:
     torch.manual_seed(0)
     repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as scratch:
-        old_source = Path(scratch) / "baseline.c"
-        old_source.write_text(
-            subprocess.run(
-                ["git", "show", f"{args.baseline}:kernels/paged_decode.c"],
+        baseline = Path(scratch) / "baseline"
+        baseline.mkdir()
+        for path in (*cpu_library.SOURCES, *cpu_library.HEADERS):
+            shown = subprocess.run(
+                ["git", "show", f"{args.baseline}:kernels/{path.name}"],
                 cwd=repo,
                 capture_output=True,
                 text=True,
-                check=True,
-            ).stdout
-        )
+                check=False,
+            )
+            if shown.returncode:
+                raise SystemExit(f"--baseline {args.baseline}: {shown.stderr.strip()}")
+            (baseline / path.name).write_text(shown.stdout)
+        old_sources = tuple(baseline / path.name for path in cpu_library.SOURCES)
         libraries = {
-            args.baseline: build(old_source, Path(scratch) / "baseline.so"),
-            "working tree": build(cpu_attention.SOURCE, Path(scratch) / "working.so"),
+            args.baseline: build(old_sources, Path(scratch) / "baseline.so"),
+            "working tree": build(cpu_library.SOURCES, Path(scratch) / "working.so"),
         }
         print(f"{'dtype':>9} {'seqs':>4}  " + "  ".join(f"{n:>22}" for n in libraries))
         for dtype in (torch.float32, torch.bfloat16):
@@ -95,7 +102,9 @@ def main() -> None:
                 width = -(-CONTEXTS[1] // BLOCK_SIZE)
                 table = torch.randperm(pool_blocks)[: sequences * width].view(sequences, width)
                 table = table.to(torch.int32)
-                query = torch.randn(sequences, HEADS, HEAD_DIM).to(dtype)
+                # The query heads of a fused query/key/value product, rows apart.
+                fused = torch.randn(sequences, HEADS + 2 * KV_HEADS, HEAD_DIM).to(dtype)
+                query = fused[:, :HEADS]
                 times = {name: [] for name in libraries}
                 outputs = {}
                 for _ in range(args.calls):

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from blocktune.kernels import is_power_of_two
-from blocktune.kernels.cpu_attention import CPU_DTYPES, cpu_kernel_error, paged_attention_cpu
+from blocktune.kernels.cpu_attention import CPU_DTYPES, paged_attention_cpu
+from blocktune.kernels.cpu_library import cpu_kernel_error
 
 try:
     import triton

@@ -1,32 +1,30 @@
 /* Attention of query rows over a paged KV cache, read in place (no gather, no padding).
 
-   Built by blocktune.kernels.cpu_attention with the machine's C compiler and called
+   Built by blocktune.kernels.cpu_library with the machine's C compiler and called
    through ctypes. Each query row attends the first context_lens[row] tokens of its
    block-table row (row_of[row], or the row itself where row_of is NULL): a decode
    token its whole sequence, a prefill token its sequence up to itself. Each (row, KV
    head) pair is one task: the scores of the KV head's group of query heads over the
    context, an exact softmax in fp32, then the weighted sum of the values, all read
-   block by block through the block table. Layouts:
+   block by block through the block table. Queries, caches and outputs share one
+   storage type, float32 or bfloat16 (`is_bf16`); the arithmetic is fp32. Layouts:
 
-     query, out   [num_rows, num_kv_heads, group, head_dim]  fp32, contiguous
-     caches       [num_slots, num_kv_heads, head_dim]         fp32 or bfloat16
-     block_table  [table rows, table_stride]                  int32
-     context_lens [num_rows]                                  int32
+     query  [num_rows, num_kv_heads, group, head_dim], rows query_stride apart
+     out    [num_rows, num_kv_heads, group, head_dim], rows out_stride apart
+     caches [num_slots, num_kv_heads, head_dim]
+     block_table  [table rows, table_stride]  int32
+     context_lens [num_rows]                  int32
      row_of       [num_rows] int32, or NULL
 */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_math.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-static inline float bf16_to_float(uint16_t bits) {
-  union { uint32_t u; float f; } value = {.u = (uint32_t)bits << 16};
-  return value.f;
-}
 
 /* The two halves of a (row, KV head) task, for either storage type:
 
@@ -47,7 +45,7 @@ static inline float bf16_to_float(uint16_t bits) {
       const float *qg = q + g * dim;                                                     \
       float acc = 0.f;                                                                   \
       _Pragma("omp simd reduction(+ : acc)") for (int d = 0; d < dim; d++)               \
-          acc += qg[d] * wide[d];                                                        \
+          acc = fmaf(qg[d], wide[d], acc);                                                        \
       scores[g * len] = acc * scale;                                                     \
     }                                                                                    \
   }                                                                                      \
@@ -60,14 +58,14 @@ static inline float bf16_to_float(uint16_t bits) {
       _Pragma("omp simd") for (int d = 0; d < dim; d++) acc[d] = og[d];                  \
       for (int i = 0; i < count; i++, vi += stride) {                                    \
         float wi = w[i];                                                                 \
-        _Pragma("omp simd") for (int d = 0; d < dim; d++) acc[d] += wi * LOAD(vi[d]);    \
+        _Pragma("omp simd") for (int d = 0; d < dim; d++) acc[d] = fmaf(wi, LOAD(vi[d]), acc[d]);    \
       }                                                                                  \
       _Pragma("omp simd") for (int d = 0; d < dim; d++) og[d] = acc[d];                  \
     }                                                                                    \
   }
 
 #define LOAD_F32(x) (x)
-#define LOAD_BF16(x) bf16_to_float(x)
+#define LOAD_BF16(x) widen(x)
 /* `wide`: a token's head_dim values as fp32, read in place for fp32 storage and widened
    into a stack array for bfloat16. */
 #define WIDEN_F32(wide, x, dim) const float *wide = (x)
@@ -77,13 +75,15 @@ static inline float bf16_to_float(uint16_t bits) {
 DEFINE_TOKEN_OPS(f32, float, WIDEN_F32, LOAD_F32)
 DEFINE_TOKEN_OPS(bf16, uint16_t, WIDEN_BF16, LOAD_BF16)
 
-#define DEFINE_ATTEND(NAME, TYPE)                                                        \
-  static void NAME##_attend(const float *q, const TYPE *keys, const TYPE *values,        \
+#define DEFINE_ATTEND(NAME, TYPE, LOAD, STORE)                                           \
+  static void NAME##_attend(const TYPE *query, const TYPE *keys, const TYPE *values,     \
                             const int32_t *blocks, int len, int num_kv_heads, int head,  \
-                            int group, int dim, int block_size, float scale, float *out, \
+                            int group, int dim, int block_size, float scale, TYPE *out,  \
                             float *scores) {                                             \
     int num_blocks = (len + block_size - 1) / block_size;                                \
     int64_t token_stride = (int64_t)num_kv_heads * dim;                                  \
+    float q[group * dim], o[group * dim];                                                \
+    for (int i = 0; i < group * dim; i++) q[i] = LOAD(query[i]);                         \
     for (int j = 0; j < num_blocks; j++) {                                               \
       const TYPE *k = keys + (int64_t)blocks[j] * block_size * token_stride +            \
                       (int64_t)head * dim;                                               \
@@ -95,32 +95,35 @@ DEFINE_TOKEN_OPS(bf16, uint16_t, WIDEN_BF16, LOAD_BF16)
     for (int g = 0; g < group; g++) {                                                    \
       float *p = scores + g * len, top = -INFINITY, sum = 0.f;                           \
       for (int t = 0; t < len; t++) top = p[t] > top ? p[t] : top;                       \
-      for (int t = 0; t < len; t++) {                                                    \
-        p[t] = expf(p[t] - top);                                                         \
+      _Pragma("omp simd reduction(+ : sum)") for (int t = 0; t < len; t++) {             \
+        p[t] = exp_fast(p[t] - top);                                                     \
         sum += p[t];                                                                     \
       }                                                                                  \
       float inverse = 1.f / sum;                                                         \
       for (int t = 0; t < len; t++) p[t] *= inverse;                                     \
     }                                                                                    \
-    memset(out, 0, sizeof(float) * group * dim);                                         \
+    memset(o, 0, sizeof(o));                                                             \
     for (int j = 0; j < num_blocks; j++) {                                               \
       const TYPE *v = values + (int64_t)blocks[j] * block_size * token_stride +          \
                       (int64_t)head * dim;                                               \
       int first = j * block_size;                                                        \
       int count = len - first < block_size ? len - first : block_size;                   \
-      NAME##_weigh(scores + first, v, token_stride, count, group, dim, out, len);        \
+      NAME##_weigh(scores + first, v, token_stride, count, group, dim, o, len);          \
     }                                                                                    \
+    for (int i = 0; i < group * dim; i++) out[i] = STORE(o[i]);                          \
   }
 
-DEFINE_ATTEND(f32, float)
-DEFINE_ATTEND(bf16, uint16_t)
+#define STORE_F32(x) (x)
+#define STORE_BF16(x) narrow(x)
+DEFINE_ATTEND(f32, float, LOAD_F32, STORE_F32)
+DEFINE_ATTEND(bf16, uint16_t, LOAD_BF16, STORE_BF16)
 
 /* Returns 0, or -1 where a thread's score buffer could not be allocated. */
-int paged_decode(const float *query, const void *key_cache, const void *value_cache,
-                 int is_bf16, const int32_t *block_table, int table_stride,
-                 const int32_t *row_of, const int32_t *context_lens, int num_seqs,
-                 int num_kv_heads, int group,
-                 int head_dim, int block_size, float scale, int num_threads, float *out) {
+int paged_decode(const void *query, int64_t query_stride, const void *key_cache,
+                 const void *value_cache, int is_bf16, const int32_t *block_table,
+                 int table_stride, const int32_t *row_of, const int32_t *context_lens,
+                 int num_seqs, int num_kv_heads, int group, int head_dim, int block_size,
+                 float scale, int num_threads, void *out, int64_t out_stride) {
   int longest = 0;
   for (int s = 0; s < num_seqs; s++) longest = context_lens[s] > longest ? context_lens[s] : longest;
   int tasks = num_seqs * num_kv_heads, failed = 0;
@@ -135,12 +138,13 @@ int paged_decode(const float *query, const void *key_cache, const void *value_ca
     for (int task = 0; task < tasks; task++) {
       if (!scores) continue;
       int s = task / num_kv_heads, head = task % num_kv_heads;
-      int64_t offset = (int64_t)task * group * head_dim;
+      int64_t in_row = (int64_t)head * group * head_dim;
       const int32_t *blocks = block_table + (int64_t)(row_of ? row_of[s] : s) * table_stride;
       int len = context_lens[s];
-#define CALL(NAME, TYPE, DIM)                                                                 \
-  NAME##_attend(query + offset, (const TYPE *)key_cache, (const TYPE *)value_cache, blocks,  \
-                len, num_kv_heads, head, group, DIM, block_size, scale, out + offset, scores)
+#define CALL(NAME, TYPE, DIM)                                                                \
+  NAME##_attend((const TYPE *)query + s * query_stride + in_row, (const TYPE *)key_cache,   \
+                (const TYPE *)value_cache, blocks, len, num_kv_heads, head, group, DIM,     \
+                block_size, scale, (TYPE *)out + s * out_stride + in_row, scores)
       if (is_bf16) {
         if (head_dim == 64) CALL(bf16, uint16_t, 64);
         else if (head_dim == 128) CALL(bf16, uint16_t, 128);

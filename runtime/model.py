@@ -30,6 +30,12 @@ from torch import nn
 
 from blocktune.kernels.cache_ops import write_kv
 from blocktune.kernels.cpu_attention import CPU_DTYPES, paged_attention_cpu
+from blocktune.kernels.cpu_layer_ops import (
+    add_rms_norm,
+    fused_ops_apply,
+    rotate_heads,
+    silu_and_mul,
+)
 from blocktune.kernels.paged_attention import decode_layout, paged_attention
 from blocktune.runtime.kv_cache import KVCache
 from blocktune.runtime.linear import FusedProjections, PackedLinear
@@ -221,6 +227,17 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_and_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream `x + delta` (`x` where `delta` is None) and its norm. With
+        `fused` (see `fused_ops_apply`) one C call does both, adding in place into `x`."""
+        if fused:
+            return x, add_rms_norm(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x = x + delta
+        return x, self(x)
+
 
 def rope_frequencies(config: ModelConfig, device: torch.device) -> torch.Tensor:
     """The rotary inverse frequencies `[head_dim / 2]` in fp32, scaled if the config says so."""
@@ -271,12 +288,16 @@ class Attention(nn.Module):
         self.qkv = FusedProjections((self.q_proj, self.k_proj, self.v_proj))
 
     def forward(
-        self, layer: int, x: torch.Tensor, rotary: Rotary, attend: AttentionFn
+        self, layer: int, x: torch.Tensor, rotary: Rotary, attend: AttentionFn, fused: bool
     ) -> torch.Tensor:
         c = self.config
         heads = self.qkv(x).view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         rotated = c.num_heads + c.num_kv_heads  # the query and key heads, rotated as one
-        q, k = rotate(heads[:, :rotated], rotary).split((c.num_heads, c.num_kv_heads), dim=1)
+        if fused:  # in place, in the product's output
+            rotate_heads(heads, rotated, *rotary)
+            q, k = heads[:, : c.num_heads], heads[:, c.num_heads : rotated]
+        else:
+            q, k = rotate(heads[:, :rotated], rotary).split((c.num_heads, c.num_kv_heads), 1)
         v = heads[:, rotated:]
         return self.o_proj(attend(layer, q, k, v).reshape(x.shape[0], -1))
 
@@ -291,13 +312,19 @@ class MLP(nn.Module):
         self.down_proj = PackedLinear(config.intermediate_size, config.hidden_size)
         self.gate_up = FusedProjections((self.gate_proj, self.up_proj))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool) -> torch.Tensor:
+        if fused:
+            return self.down_proj(silu_and_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP with residual connections."""
+    """Pre-norm attention and MLP with residual connections.
+
+    A layer takes the residual stream and the previous layer's MLP output, and returns the
+    stream and its own MLP output, so that each residual add is done by the norm after
+    it (one fused call where `fused`)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -307,10 +334,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, layer: int, x: torch.Tensor, rotary: Rotary, attend: AttentionFn
-    ) -> torch.Tensor:
-        x = x + self.self_attn(layer, self.input_layernorm(x), rotary, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        layer: int,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        rotary: Rotary,
+        attend: AttentionFn,
+        fused: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, h = self.input_layernorm.add_and_norm(x, delta, fused)
+        attended = self.self_attn(layer, h, rotary, attend, fused)
+        x, h = self.post_attention_layernorm.add_and_norm(x, attended, fused)
+        return x, self.mlp(h, fused)
 
 
 class _Body(nn.Module):
@@ -418,9 +453,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(token_ids)
         rotary = rotary_tables(self.config, positions, x.dtype)
+        fused = fused_ops_apply(x)
+        delta = None
         for index, layer in enumerate(self.model.layers):
-            x = layer(index, x, rotary, attend)
-        return self.model.norm(x)
+            x, delta = layer(index, x, delta, rotary, attend, fused)
+        return self.model.norm.add_and_norm(x, delta, fused)[1]
 
     @torch.inference_mode()
     def forward_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
@@ -461,24 +498,29 @@ class LlamaModel(nn.Module):
             layout = decode_layout(kv.k[0], block_table, context_lens, block_size=block_size)
         short = _ShortChunks.of(chunks, num_decodes, token_ids.device) if c_kernel else None
 
+        def decode_attention(q, keys, values, layer):
+            return paged_attention(
+                q,
+                keys,
+                values,
+                block_table,
+                context_lens,
+                block_size=block_size,
+                scale=self.scale,
+                backend=backend,
+                layout=layout,
+                check_values=layer == 0,
+            )
+
         def attend(layer, q, k, v):
             keys, values = kv.k[layer], kv.v[layer]
             # The slots are the same for every layer: checked once, in the first.
             write_kv(keys, values, k, v, slots, backend=backend, check_slots=layer == 0)
-            out = torch.empty_like(q)
+            if not chunks:  # decodes only: the kernel's output is the whole output
+                return decode_attention(q, keys, values, layer)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             if num_decodes:
-                out[:num_decodes] = paged_attention(
-                    q[:num_decodes],
-                    keys,
-                    values,
-                    block_table,
-                    context_lens,
-                    block_size=block_size,
-                    scale=self.scale,
-                    backend=backend,
-                    layout=layout,
-                    check_values=layer == 0,
-                )
+                out[:num_decodes] = decode_attention(q[:num_decodes], keys, values, layer)
             if short is not None:
                 out[short.rows] = paged_attention_cpu(
                     q[short.rows],

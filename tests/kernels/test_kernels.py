@@ -500,6 +500,24 @@ def test_cpu_kernel_reads_blocks_in_place_and_matches_dense_oracle(
 
 
 @needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_reads_queries_where_they_lie(dtype):
+    """Query rows apart in a fused query/key/value buffer, as the model hands them over:
+    the same bits as from a contiguous copy, and the oracle's values."""
+    paged = Paged([7, 40, 65], 16, 3, 64, dtype, seed=9)
+    fused = _query(3, 15, 64, dtype, seed=9)  # 9 query heads, then 3 key and 3 value heads
+    query = fused[:, :9]
+    assert not query.is_contiguous()
+    out = paged_attention(*paged.args(query), block_size=16, scale=0.125, backend="cpu")
+    copied = paged_attention(
+        *paged.args(query.contiguous()), block_size=16, scale=0.125, backend="cpu"
+    )
+    assert out.dtype == dtype and torch.equal(out, copied)
+    expected = dense_attention(query, paged.keys, paged.values, scale=0.125)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@needs_cpu_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_kernel_gives_the_same_bits_on_any_thread_count(threads):
     paged = Paged([5, 100, 33, 64], 16, 2, 64, torch.float32, seed=4)
@@ -538,26 +556,26 @@ def test_cpu_backend_checks_values_and_falls_back_for_strided_caches():
 
 
 def test_cpu_kernel_builds_into_its_cache_or_says_why_not(monkeypatch, tmp_path):
-    from blocktune.kernels import cpu_attention
+    from blocktune.kernels import cpu_attention, cpu_library
 
     monkeypatch.setenv("BLOCKTUNE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", "no-such-compiler")
-    cpu_attention._load.cache_clear()
+    cpu_library.cpu_library.cache_clear()
     try:
-        assert cpu_attention.cpu_kernel_error() == "no C compiler found ($CC or cc)"
+        assert cpu_library.cpu_kernel_error() == "no C compiler found ($CC or cc)"
         assert cpu_attention.default_backend("cpu") == "torch"
         with pytest.raises(KernelInputError, match=r"backend 'cpu' is unavailable here .*'torch'"):
             require_cpu_kernel("cpu")
         monkeypatch.setenv("CC", "cc --no-such-flag")
-        cpu_attention._load.cache_clear()
-        if cpu_attention._compiler() is not None:
-            assert "failed" in cpu_attention.cpu_kernel_error()
+        cpu_library.cpu_library.cache_clear()
+        if cpu_library._compiler() is not None:
+            assert "failed" in cpu_library.cpu_kernel_error()
             assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-written kept
         monkeypatch.delenv("CC")
-        cpu_attention._load.cache_clear()
-        if cpu_attention.cpu_kernel_error() is None:
+        cpu_library.cpu_library.cache_clear()
+        if cpu_library.cpu_kernel_error() is None:
             assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".so"]
             assert cpu_attention.default_backend("cpu") == "cpu"
     finally:
-        cpu_attention._load.cache_clear()
+        cpu_library.cpu_library.cache_clear()
     assert cpu_attention.default_backend("cuda") == "triton"

@@ -1,5 +1,6 @@
 """The continuous-batching engine: exact tokens across block sizes, preemption, cancellation."""
 
+import copy
 import random
 from dataclasses import replace
 
@@ -295,3 +296,30 @@ def test_cpu_backend_gives_the_torch_backends_logits_for_short_chunks_and_whole_
     for cpu, reference in zip(logits["cpu"], logits["torch"], strict=True):
         torch.testing.assert_close(cpu, reference, atol=1e-5, rtol=1e-5)
     assert sum(short_rows) >= sum(map(len, tails))  # the tails went through the C kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_operators_give_the_torch_operators_logits_and_tokens(
+    model, monkeypatch, dtype
+):
+    """On a CPU the layers' norms, rotary embedding and SwiGLU run as fused C calls
+    (`blocktune.kernels.cpu_layer_ops`); with torch's operators instead, the logits agree to
+    rounding and greedy decoding (paged, at two block sizes) picks the same tokens."""
+    from blocktune.kernels.cpu_layer_ops import fused_ops_apply
+    from blocktune.runtime import model as model_module
+
+    typed = copy.deepcopy(model).to(dtype)  # the fixture stays float32
+    tokens = torch.tensor(_prompts(1, seed=8, low=30, high=30)[0])
+    with torch.inference_mode():
+        if not fused_ops_apply(typed.model.embed_tokens(tokens)):
+            pytest.skip("the fused operators do not run here (no C compiler)")
+    fused_logits = typed.forward_dense(tokens)
+    fused_tokens = [_run(typed, _prompts(4, seed=9), block_size=b)[0] for b in (8, 32)]
+    monkeypatch.setattr(model_module, "fused_ops_apply", lambda x: False)
+    torch_logits = typed.forward_dense(tokens)
+    torch_tokens = [_run(typed, _prompts(4, seed=9), block_size=b)[0] for b in (8, 32)]
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(fused_logits, torch_logits, atol=tolerance, rtol=tolerance)
+    if dtype == torch.float32:
+        assert fused_tokens == torch_tokens
+    assert fused_tokens[0] == fused_tokens[1]  # the block size changes nothing
