@@ -20,7 +20,8 @@ recommends a switch only when
    the SLO (capacity below 1x) every capacity is on the search's floor, so the
    candidates are ranked by what they still serve: their token rate when
    saturated (`ranked_by` says which). Where it serves the load with less
-   margin than `min_gain` (`at_the_edge`), a backlog builds or not on a fraction
+   margin than `min_gain`, or than `min_gain` over the window's busiest
+   stretch (`peak_load`; `at_the_edge`), a backlog builds or not on a fraction
    of a percent of capacity, so there the bar is the challenger search's
    resolution (`CHALLENGER_TOLERANCE`) instead of `min_gain`;
 3. the last applied switch (`record_switch`) is at least `policy.min_dwell`
@@ -52,12 +53,14 @@ from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.sim.cost_model import ArticleHeuristic, CandidateCost, CostModel
 from blocktune.tuner.sim.forecast import (
     CHALLENGER_TOLERANCE,
+    FORECAST_REQUESTS,
     SUSTAINED,
     Forecast,
     Forecaster,
     contenders,
     goal_higher_is_better,
     noise_interval,
+    peak_load,
     ranked_quantity,
     relative_gain,
 )
@@ -90,6 +93,7 @@ class Decision:
     gain: float = 0.0
     gain_interval: tuple[float, float] = (0.0, 0.0)
     ranked_by: str = "capacity"
+    peak_load: float = 1.0
     switch_cost_s: float = 0.0
     decided_at: float = 0.0
 
@@ -115,6 +119,7 @@ class Decision:
                 "gain": self.gain,
                 "gain_interval": list(self.gain_interval),
                 "ranked_by": self.ranked_by,
+                "peak_load": self.peak_load,
                 "switch_cost_s": self.switch_cost_s,
                 "samples": self.samples,
                 "principled_block_tokens": self.principled_block_tokens,
@@ -268,6 +273,7 @@ class Selector:
             reason = f"the window's requests span no time, so no load to forecast: keep B={current}"
             return Decision(current, prior, switch=False, reason=reason, **base)
         forecasts = self.forecaster.forecast(workload, current, priced)
+        base["peak_load"] = peak_load(snapshot, at_window_rate=at_window_rate)
         return self._choose(forecasts, current, prior, now, base)
 
     def _choose(
@@ -287,7 +293,8 @@ class Selector:
             )
         ]
         interval = noise_interval(np.array(gains), gain)
-        edge = quantity == "capacity" and at_the_edge(by_size[current], policy.min_gain)
+        peak = base["peak_load"]
+        edge = quantity == "capacity" and at_the_edge(by_size[current], policy.min_gain, peak)
         bar = CHALLENGER_TOLERANCE if edge else policy.min_gain
         material = challenger.block_size != current and interval[0] > bar
         base.update(
@@ -306,10 +313,15 @@ class Selector:
             )
         elif edge:
             low, high = by_size[current].capacity_interval
+            busiest = (
+                f"; the window's busiest {FORECAST_REQUESTS} requests offered {peak:.3g}x it"
+                if peak > 1.0
+                else ""
+            )
             regime = (
                 f"at the edge of the SLO (B={current} serves {low:.3g}-{high:.3g}x the observed "
-                f"load, less margin than min_gain {policy.min_gain:.0%}), where any capacity "
-                f"gain keeps requests within it: the bar is {bar:.1%}; "
+                f"load{busiest}: less margin than min_gain {policy.min_gain:.0%}), where any "
+                f"capacity gain keeps requests within it: the bar is {bar:.1%}; "
             )
         if not material:
             decision["block_size"] = current
@@ -347,12 +359,13 @@ class Selector:
         return self.policy.min_dwell.total_seconds()
 
 
-def at_the_edge(forecast: Forecast, min_gain: float) -> bool:
+def at_the_edge(forecast: Forecast, min_gain: float, peak: float = 1.0) -> bool:
     """Whether `forecast`'s size serves the observed load within the SLO with less margin than
-    `min_gain`: its capacity is at least 1x, the low end of its interval below 1 + min_gain.
-    There a backlog builds or not on a fraction of a percent of capacity, so a smaller gain
-    than `min_gain` already keeps many requests within the SLO."""
-    return forecast.capacity >= 1.0 and forecast.capacity_interval[0] < 1.0 + min_gain
+    `min_gain` over the window's `peak_load` (`peak`, its busiest stretch, 1 for a steady
+    one): its capacity is at least 1x, the low end of its interval below peak x (1 +
+    min_gain). There a backlog builds or not on a fraction of a percent of capacity, so a
+    smaller gain than `min_gain` already keeps many requests within the SLO."""
+    return forecast.capacity >= 1.0 and forecast.capacity_interval[0] < peak * (1.0 + min_gain)
 
 
 def _describe(quantity: str, forecast: Forecast) -> str:

@@ -84,6 +84,7 @@ __all__ = [
     "ServingMetrics",
     "noise_interval",
     "offered_tokens_per_s",
+    "peak_load",
     "percentiles",
     "window_rate_scale",
 ]
@@ -286,6 +287,31 @@ def window_rate_scale(arrival_s: np.ndarray, output_tokens: np.ndarray, latest: 
     if not (math.isfinite(window) and math.isfinite(sample) and window > 0):
         return 1.0
     return sample / window
+
+
+def peak_load(snapshot: WindowSnapshot, *, at_window_rate: bool = False) -> float:
+    """The busiest stretch of `FORECAST_REQUESTS` consecutive requests in the window, in
+    multiples of the load the forecast's capacities count in (the window's with
+    `at_window_rate`, else its sample's, the latest requests): the output tokens per second
+    that stretch offers (as `offered_tokens_per_s` counts them) over that load, at least 1.
+    A capacity below it means the window held a stretch that the size would not have served
+    within the SLO: a backlog built there, and how fast it drained depends on fractions of a
+    percent of capacity."""
+    order = np.argsort(snapshot.timestamps, kind="stable")
+    stamps = snapshot.timestamps[order]
+    outputs = np.maximum(snapshot.output_tokens[order], 1)
+    n = min(FORECAST_REQUESTS, len(stamps))
+    if n < 2:
+        return 1.0
+    sample = slice(None) if at_window_rate else slice(len(stamps) - n, None)
+    reference = offered_tokens_per_s(stamps[sample], outputs[sample])
+    spans = stamps[n - 1 :] - stamps[: len(stamps) - n + 1]
+    sums = np.concatenate(([0], np.cumsum(outputs)))
+    tokens = sums[n - 1 : len(stamps)] - sums[: len(stamps) - n + 1]  # all but each one's last
+    timed = spans > 0
+    if not (timed.any() and math.isfinite(reference) and reference > 0):
+        return 1.0
+    return max(1.0, float(np.max(tokens[timed] / spans[timed])) / reference)
 
 
 def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:

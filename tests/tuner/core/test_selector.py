@@ -176,11 +176,12 @@ def _forecast(size: int, capacity: float, resampled: list[float], tokens_per_s: 
     return Forecast(size, _metrics(), _metrics(), capacity, tokens_per_s, estimates, interval)
 
 
-def _decide_with(forecasts, current: int, policy=DEFAULT):
-    """The selector's decision on the promotion window, its forecasts replaced by `forecasts`."""
+def _decide_with(forecasts, current: int, policy=DEFAULT, snapshot=None):
+    """The selector's decision on `snapshot` (the promotion window), its forecasts replaced by
+    `forecasts`."""
     selector = Selector(policy, ANALYTIC)
     selector.forecaster.forecast = lambda workload, current, sizes: forecasts
-    return selector.decide(promo_window(), current, now=0.0)
+    return selector.decide(promo_window() if snapshot is None else snapshot, current, now=0.0)
 
 
 def test_a_gain_within_the_forecasts_noise_keeps_the_size_in_force():
@@ -271,3 +272,27 @@ def test_at_the_edge_of_the_slo_a_gain_under_min_gain_beyond_the_noise_switches(
     assert "every candidate is within 2% of B=16" in kept.reason
     back = _decide_with(edge, 128)
     assert not back.switch and back.recommended_block_size == 128
+
+
+def test_a_window_whose_busiest_stretch_exceeds_the_capacity_is_at_the_edge():
+    """The same forecasts as the ample case above (B=16 serves 3.0-3.27x the sample's load,
+    128 0.8% more), on a window that held 128 requests ten times as dense as its latest ones:
+    that stretch offered 10x the load, beyond B=16's capacity, so a backlog built there and the
+    0.8% is material; on the evenly spaced promotion window it is not."""
+    ample = [
+        _forecast(16, 3.15, [3.0, 3.15, 3.27]),
+        _forecast(128, 3.1752, [3.024, 3.1752, 3.2962]),
+        *(_forecast(b, 3.0, [3.0] * 3) for b in (8, 32, 64)),
+    ]
+    rng = np.random.default_rng(2)
+    gaps = np.full(499, 0.2)
+    gaps[100:227] = 0.02
+    stamps = np.concatenate(([0.0], np.cumsum(gaps)))
+    burst = snapshot_of(rng.integers(15, 26, 500), np.full(500, 16), stamps)
+    decision = _decide_with(ample, 16, snapshot=burst)
+    assert decision.peak_load == pytest.approx(10.0)
+    assert decision.to_dict()["peak_load"] == pytest.approx(10.0)
+    assert decision.switch and decision.material and decision.block_size == 128
+    assert "busiest 128 requests offered 10x it" in decision.reason
+    steady = _decide_with(ample, 16)
+    assert steady.peak_load < 1.1 and not steady.material  # its outputs vary, not its gaps

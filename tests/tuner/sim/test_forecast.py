@@ -21,8 +21,11 @@ from blocktune.tuner.sim.forecast import (
     CAPACITY_TOLERANCE,
     CHALLENGER_TOLERANCE,
     FAR_SHARE,
+    FORECAST_REQUESTS,
     SETTLED_TOLERANCE,
     Forecaster,
+    offered_tokens_per_s,
+    peak_load,
     percentiles,
     window_rate_scale,
 )
@@ -252,3 +255,27 @@ def test_percentiles_are_numpys_bit_for_bit(values, qs):
     assert percentiles(values, tuple(qs)) == np.percentile(values, qs).tolist()
     with_nan = np.append(values, np.nan)
     assert all(math.isnan(v) for v in percentiles(with_nan, tuple(qs)))
+
+
+def _window_of(stamps: np.ndarray, outputs: np.ndarray):
+    window = LengthWindow(capacity=len(stamps))
+    window.observe_many(np.full(len(stamps), 20), outputs, timestamps=stamps)
+    return window.snapshot()
+
+
+def test_peak_load_is_the_busiest_stretch_in_multiples_of_the_load_capacities_count_in():
+    """1000 requests a second apart but for 128 of them four times as dense: their stretch
+    offers 4x the sample's load (the latest 128 requests, one a second), and over the whole
+    window's rate the ratio of the two offered rates; a steady window has no peak (1x)."""
+    gaps = np.ones(999)
+    gaps[300 : 300 + FORECAST_REQUESTS - 1] = 0.25
+    stamps = np.concatenate(([0.0], np.cumsum(gaps)))
+    outputs = np.full(1000, 12)
+    snapshot = _window_of(stamps, outputs)
+    assert peak_load(snapshot) == pytest.approx(4.0)
+    window = offered_tokens_per_s(stamps, outputs)
+    assert peak_load(snapshot, at_window_rate=True) == pytest.approx(4 * 12 / window)
+    assert peak_load(_window_of(np.arange(1000.0), outputs)) == 1.0
+    assert peak_load(_window_of(np.arange(1000.0), outputs), at_window_rate=True) == 1.0
+    # Fewer requests than a sample: the sample is the window, nothing is busier.
+    assert peak_load(_window_of(stamps[:50], outputs[:50])) == 1.0
