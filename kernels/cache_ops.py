@@ -1,4 +1,4 @@
-"""Writes into and copies within the paged KV pool, in torch and in Triton.
+"""Writes into and copies within the paged KV pool, in torch, in Triton and (writes) in C.
 
 Each layer's K and V are flat slot tensors `[num_slots, num_kv_heads, head_dim]`;
 block `j` of size `B` is slots `[j*B, (j+1)*B)`. As in `paged_attention`, values
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .cpu_library import cpu_library
 from .paged_attention import (
     FLOAT_DTYPES,
     KernelInputError,
@@ -30,6 +31,7 @@ __all__ = [
     "copy_blocks_triton",
     "warmup_cache_ops",
     "write_kv",
+    "write_kv_cpu",
     "write_kv_torch",
     "write_kv_triton",
 ]
@@ -115,6 +117,44 @@ def write_kv_torch(
     slots = slot_mapping.long()
     key_cache.index_copy_(0, slots, key)
     value_cache.index_copy_(0, slots, value)
+
+
+def write_kv_cpu(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    check_slots: bool = True,
+) -> None:
+    """`write_kv_torch` as one C call (`layer_ops.c:write_slots`) where each token's K and V
+    heads are one run of memory (as in the slices of a fused QKV product), the caches are
+    contiguous and the C library loads; `write_kv_torch` elsewhere."""
+    _check_write_inputs(key_cache, value_cache, key, value, slot_mapping, check_slots)
+    row = key_cache.shape[1] * key_cache.shape[2]
+    library = cpu_library()
+    if (
+        isinstance(library, str)
+        or key.device.type != "cpu"
+        or not (key_cache.is_contiguous() and value_cache.is_contiguous())
+        or any(t.stride(2) != 1 or t.stride(1) != t.shape[2] for t in (key, value))
+    ):
+        write_kv_torch(key_cache, value_cache, key, value, slot_mapping, check_slots=False)
+        return
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+    size = key.element_size()
+    library.write_slots(
+        key.data_ptr(),
+        key.stride(0) * size,
+        value.data_ptr(),
+        value.stride(0) * size,
+        key_cache.data_ptr(),
+        value_cache.data_ptr(),
+        slots.contiguous().data_ptr(),
+        key.shape[0],
+        row * size,
+    )
 
 
 if triton is not None:
@@ -226,7 +266,7 @@ def write_kv(
     `check_slots` is False: a caller writing the same slots into every layer's caches
     checks them once."""
     check_backend(backend)
-    write = write_kv_triton if backend == "triton" else write_kv_torch
+    write = {"triton": write_kv_triton, "cpu": write_kv_cpu}.get(backend, write_kv_torch)
     write(key_cache, value_cache, key, value, slot_mapping, check_slots=check_slots)
 
 

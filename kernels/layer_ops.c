@@ -9,8 +9,10 @@
    torch's. The norm sums its squares in another order, and SiLU takes `exp_fast`, so
    those two move by float32 rounding (bfloat16 results almost never). Tensors are
    contiguous float32 or bfloat16 rows (`is_bf16`); the arithmetic is float32.
+   `write_slots` copies a step's new K/V rows into the paged cache (no arithmetic).
 */
 #include <stdint.h>
+#include <string.h>
 
 #include "cpu_math.h"
 
@@ -103,4 +105,18 @@ void silu_and_mul(const void *gate_up, void *out, int rows, int width, int is_bf
     bf16_silu_and_mul(gate_up, out, rows, width);
   else
     f32_silu_and_mul(gate_up, out, rows, width);
+}
+
+/* Each token's new K and V into its slot of the flat caches [slots, row_bytes]: token t's
+   row of `row_bytes` bytes starts at key + t * key_stride (value + t * value_stride)
+   bytes. The slots are checked by the caller. */
+void write_slots(const void *key, int64_t key_stride, const void *value, int64_t value_stride,
+                 void *key_cache, void *value_cache, const int64_t *slots, int tokens,
+                 int64_t row_bytes) {
+  for (int t = 0; t < tokens; t++) {
+    memcpy((char *)key_cache + slots[t] * row_bytes, (const char *)key + t * key_stride,
+           row_bytes);
+    memcpy((char *)value_cache + slots[t] * row_bytes, (const char *)value + t * value_stride,
+           row_bytes);
+  }
 }

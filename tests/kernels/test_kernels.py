@@ -269,7 +269,7 @@ def test_outputs_are_bit_identical_for_every_block_size(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_write_kv_writes_each_token_into_its_slot(backend, index_dtype, dtype):
     gen = torch.Generator().manual_seed(5)
     num_slots, num_kv_heads, head_dim = 24, 2, 12  # head_dim need not be a power of two
@@ -287,6 +287,21 @@ def test_write_kv_writes_each_token_into_its_slot(backend, index_dtype, dtype):
     write_kv(*caches, key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE), backend=backend)
     assert torch.equal(caches[0].cpu(), expected_k)
     assert torch.equal(caches[1].cpu(), expected_v)
+
+
+@needs_cpu_kernel
+def test_the_cpu_write_takes_keys_whose_heads_lie_apart_through_torch():
+    """Keys whose head_dim is not contiguous (here transposed) are no run of memory for the
+    C copy: the cpu backend writes them as torch does, into the right slots."""
+    gen = torch.Generator().manual_seed(6)
+    key_cache, value_cache = torch.zeros(16, 2, 8), torch.zeros(16, 2, 8)
+    key = torch.randn(3, 8, 2, generator=gen).transpose(1, 2)
+    value = torch.randn(3, 2, 8, generator=gen)
+    slots = torch.tensor([9, 2, 14])
+    write_kv(key_cache, value_cache, key, value, slots, backend="cpu")
+    expected_k, expected_v = torch.zeros(16, 2, 8), torch.zeros(16, 2, 8)
+    expected_k[slots], expected_v[slots] = key, value
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
