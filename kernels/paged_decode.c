@@ -30,6 +30,9 @@
 
    - `scores`: one token's key against the group's query heads (scores[g * len]); the
      key's head_dim values are read (and, for bfloat16, widened) once for the group.
+     `scores4` does four consecutive tokens at once (keys `stride` apart): four
+     independent sums, each in the same order as `scores` takes it (so the same scores),
+     whose chains and final reductions overlap instead of waiting on one another.
    - `weigh`: a run of `count` tokens' values, `stride` apart, weighted by their
      probabilities (p[g * len + i]) into the group's outputs; each query head's output is
      accumulated in a stack array over the whole run, in token order (the same sums, in
@@ -47,6 +50,29 @@
       _Pragma("omp simd reduction(+ : acc)") for (int d = 0; d < dim; d++)               \
           acc = fmaf(qg[d], wide[d], acc);                                                        \
       scores[g * len] = acc * scale;                                                     \
+    }                                                                                    \
+  }                                                                                      \
+  static inline void NAME##_scores4(const float *q, const TYPE *k, int64_t stride,      \
+                                    int group, int dim, float scale, float *scores,     \
+                                    int len) {                                           \
+    WIDEN(w0, k, dim);                                                                   \
+    WIDEN(w1, k + stride, dim);                                                          \
+    WIDEN(w2, k + 2 * stride, dim);                                                      \
+    WIDEN(w3, k + 3 * stride, dim);                                                      \
+    for (int g = 0; g < group; g++) {                                                    \
+      const float *qg = q + g * dim;                                                     \
+      float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;                                      \
+      _Pragma("omp simd reduction(+ : a0, a1, a2, a3)") for (int d = 0; d < dim; d++) {  \
+        a0 = fmaf(qg[d], w0[d], a0);                                                     \
+        a1 = fmaf(qg[d], w1[d], a1);                                                     \
+        a2 = fmaf(qg[d], w2[d], a2);                                                     \
+        a3 = fmaf(qg[d], w3[d], a3);                                                     \
+      }                                                                                  \
+      float *sg = scores + g * len;                                                      \
+      sg[0] = a0 * scale;                                                                \
+      sg[1] = a1 * scale;                                                                \
+      sg[2] = a2 * scale;                                                                \
+      sg[3] = a3 * scale;                                                                \
     }                                                                                    \
   }                                                                                      \
   static inline void NAME##_weigh(const float *p, const TYPE *v, int64_t stride,         \
@@ -89,7 +115,10 @@ DEFINE_TOKEN_OPS(bf16, uint16_t, WIDEN_BF16, LOAD_BF16)
                       (int64_t)head * dim;                                               \
       int first = j * block_size;                                                        \
       int count = len - first < block_size ? len - first : block_size;                   \
-      for (int i = 0; i < count; i++, k += token_stride)                                 \
+      int i = 0;                                                                         \
+      for (; i + 4 <= count; i += 4, k += 4 * token_stride)                              \
+        NAME##_scores4(q, k, token_stride, group, dim, scale, scores + first + i, len);  \
+      for (; i < count; i++, k += token_stride)                                          \
         NAME##_scores(q, k, group, dim, scale, scores + first + i, len);                 \
     }                                                                                    \
     for (int g = 0; g < group; g++) {                                                    \

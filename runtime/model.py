@@ -459,6 +459,11 @@ class LlamaModel(nn.Module):
             x, delta = layer(index, x, delta, rotary, attend, fused)
         return self.model.norm.add_and_norm(x, delta, fused)[1]
 
+    def pack_weights(self) -> None:
+        """Make the projections' packed weight copies now (`runtime.linear`), which the first
+        forward without autograd otherwise makes: one token through the model."""
+        self.forward_dense(torch.zeros(1, dtype=torch.long, device=self.device))
+
     @torch.inference_mode()
     def forward_dense(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits `[T, vocab]` for every position of one sequence, without a cache."""

@@ -85,3 +85,17 @@ def test_pickles_without_the_packed_copy_and_packs_again(make):
     assert copy._packed is None
     with torch.inference_mode():
         torch.testing.assert_close(copy(x), before, rtol=0, atol=0)
+
+
+def test_a_model_packs_every_projection_up_front():
+    """`pack_weights` makes the packed copies a first forward would make: the fused query/key/
+    value and gate/up products and the output head, so nothing is packed while serving."""
+    from blocktune.runtime.model import LlamaModel, ModelConfig
+
+    model = LlamaModel(ModelConfig.tiny()).eval()
+    if not packs(model.lm_head.weight):
+        pytest.skip("oneDNN does not pack float32 here")
+    fused = [p for layer in model.model.layers for p in (layer.self_attn.qkv, layer.mlp.gate_up)]
+    assert all(p._packed is None for p in fused) and model.lm_head._packed is None
+    model.pack_weights()
+    assert all(p._packed is not None for p in fused) and model.lm_head._packed is not None
