@@ -19,9 +19,9 @@ recommends a switch only when
    flips back. Where the size in force cannot serve the observed load within
    the SLO (capacity below 1x) every capacity is on the search's floor, so the
    candidates are ranked by what they still serve: their token rate when
-   saturated (`ranked_by` says which). Where it serves the load with less
-   margin than `min_gain`, or than `min_gain` over the window's busiest
-   stretch (`peak_load`; `at_the_edge`), a backlog builds or not on a fraction
+   saturated (`ranked_by` says which). Where it serves the load, or the
+   window's busiest stretch (`peak_load`), with less margin than `min_gain`
+   (`at_the_edge`), a backlog builds or not on a fraction
    of a percent of capacity, so there the bar is the challenger search's
    resolution (`CHALLENGER_TOLERANCE`) instead of `min_gain`;
 3. the last applied switch (`record_switch`) is at least `policy.min_dwell`
