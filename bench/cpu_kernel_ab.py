@@ -5,11 +5,16 @@ as it is in the working tree and as it was at `--baseline` (a git revision whose
 `paged_decode` takes the same arguments: the query's and output's row strides came with the
 fused layer operators) with the flags the engine uses, then times both on the same decode inputs
 (SmolLM2-135M's heads: 9 query and 3 KV heads of 64, block size 32, contexts of 66-139
-tokens, one thread), alternating so that the machine's drift falls on both alike. Prints
-per dtype and batch the median and fastest call of each, the ratio of the medians and
-whether the two outputs are bitwise equal.
+tokens, one thread), alternating so that the machine's drift falls on both alike. Before
+each call it streams through a buffer larger than the caches, so that the call reads K and
+V from memory as the engine's calls do (a decode step's weights pass through the caches
+between two calls of a layer); `--warm` leaves them in the caches instead, and `--huge`
+moves the pool into 2 MiB pages as the worker does. Prints per dtype and batch the median
+and fastest call of each, the ratio of the medians and whether the two outputs are
+bitwise equal.
 
-    python bench/cpu_kernel_ab.py [--baseline HEAD] [--sequences 8 32] [--calls 300]
+    python bench/cpu_kernel_ab.py [--baseline HEAD] [--sequences 8 32] [--calls 300] \\
+        [--warm] [--huge]
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from pathlib import Path
 import torch
 
 from blocktune.kernels import cpu_library
+from blocktune.runtime.huge_pages import collapse_resident_memory
 
 BLOCK_SIZE = 32
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 CONTEXTS = (66, 140)  # the vs_vllm chat workload's contexts while it decodes
+EVICT_BYTES = 64 << 20  # more than this machine's caches: a call after it reads from memory
 
 
 def build(sources: tuple[Path, ...], target: Path) -> ctypes.CDLL:
@@ -70,8 +77,13 @@ def main() -> None:
     parser.add_argument("--baseline", default="HEAD", help="git revision (default: HEAD)")
     parser.add_argument("--sequences", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--calls", type=int, default=300, help="calls each (default: 300)")
+    parser.add_argument(
+        "--warm", action="store_true", help="leave K and V in the caches between calls"
+    )
+    parser.add_argument("--huge", action="store_true", help="the pool in 2 MiB pages")
     args = parser.parse_args()
     torch.manual_seed(0)
+    evict = torch.zeros(EVICT_BYTES // 4)
     repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as scratch:
         baseline = Path(scratch) / "baseline"
@@ -97,6 +109,8 @@ def main() -> None:
             pool_blocks = 4096
             keys = torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM).to(dtype)
             values = torch.randn_like(keys)
+            if args.huge:
+                print(collapse_resident_memory())
             for sequences in args.sequences:
                 lens = torch.randint(*CONTEXTS, (sequences,), dtype=torch.int32)
                 width = -(-CONTEXTS[1] // BLOCK_SIZE)
@@ -109,6 +123,8 @@ def main() -> None:
                 outputs = {}
                 for _ in range(args.calls):
                     for name, library in libraries.items():
+                        if not args.warm:
+                            evict.add_(1.0)
                         start = time.perf_counter()
                         outputs[name] = call(library, query, keys, values, table, lens)
                         times[name].append(time.perf_counter() - start)
