@@ -42,6 +42,7 @@ SIGNATURES = {
     "rotate": (_P, _I64, _I, _I, _I, _P, _P, _I),
     "silu_and_mul": (_P, _P, _I, _I, _I),
     "write_slots": (_P, _I64, _P, _I64, _P, _P, _P, _I, _I64),
+    "argmax_rows": (_P, _I64, _I, _I, _P),
 }
 """Each entry point's ctypes argument types (all return int or nothing)."""
 

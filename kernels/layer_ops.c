@@ -9,8 +9,10 @@
    torch's. The norm sums its squares in another order, and SiLU takes `exp_fast`, so
    those two move by float32 rounding (bfloat16 results almost never). Tensors are
    contiguous float32 or bfloat16 rows (`is_bf16`); the arithmetic is float32.
-   `write_slots` copies a step's new K/V rows into the paged cache (no arithmetic).
+   `write_slots` copies a step's new K/V rows into the paged cache (no arithmetic), and
+   `argmax_rows` picks each row's greedy token from float32 logits.
 */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -118,5 +120,29 @@ void write_slots(const void *key, int64_t key_stride, const void *value, int64_t
            row_bytes);
     memcpy((char *)value_cache + slots[t] * row_bytes, (const char *)value + t * value_stride,
            row_bytes);
+  }
+}
+
+/* Each row's index of its largest value, as torch.argmax takes it: the first of equal
+   largest values, and the first NaN where a row has one. logits [rows, cols] float32, rows
+   `stride` values apart; out [rows] int64. One vectorised pass finds the largest value (and
+   whether there is a NaN), a second the first index holding it. */
+void argmax_rows(const float *logits, int64_t stride, int rows, int cols, int64_t *out) {
+  for (int r = 0; r < rows; r++) {
+    const float *row = logits + r * stride;
+    float top = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+    for (int i = 0; i < cols; i++) {
+      top = row[i] > top ? row[i] : top;
+      nan |= row[i] != row[i];
+    }
+    int64_t best = 0;
+    for (int i = 0; i < cols; i++)
+      if (nan ? row[i] != row[i] : row[i] == top) {
+        best = i;
+        break;
+      }
+    out[r] = best;
   }
 }

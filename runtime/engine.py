@@ -41,6 +41,7 @@ import torch
 from blocktune.kernels import is_power_of_two
 from blocktune.kernels.cache_ops import copy_blocks, warmup_cache_ops
 from blocktune.kernels.cpu_attention import default_backend
+from blocktune.kernels.cpu_layer_ops import argmax_rows
 from blocktune.kernels.paged_attention import BACKENDS, warmup
 from blocktune.runtime.block_manager import BlockManager, blocks_for
 from blocktune.runtime.block_table import BlockTable
@@ -590,7 +591,7 @@ class Engine:
     # ------------------------------------------------------------------ sampling
     def _sample_batch(self, batch: list[_Request], logits: torch.Tensor) -> list[int]:
         if all(r.params.greedy and not r.params.adjusts_logits for r in batch):
-            return logits.argmax(dim=-1).tolist()
+            return argmax_rows(logits)
         return [self._sample(r, logits[i]) for i, r in enumerate(batch)]
 
     def _sample(self, request: _Request, logits: torch.Tensor) -> int:

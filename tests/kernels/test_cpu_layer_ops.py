@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from blocktune.kernels import cpu_library
 from blocktune.kernels.cpu_layer_ops import (
     add_rms_norm,
+    argmax_rows,
     fused_ops_apply,
     rotate_heads,
     silu_and_mul,
@@ -92,6 +93,35 @@ def test_silu_and_mul_stays_finite_and_close_over_the_whole_range(gates):
     expected = torch.nn.functional.silu(gate.double())
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-30)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.lists(
+            st.sampled_from([0.0, 1.0, -1.0, 3.5, float("inf"), -float("inf"), float("nan")]),
+            min_size=1,
+            max_size=70,
+        ),
+        min_size=1,
+        max_size=4,
+    ).filter(lambda rows: len({len(row) for row in rows}) == 1)
+)
+def test_argmax_rows_picks_as_torch_does_with_ties_infinities_and_nans(rows):
+    """Few distinct values, so rows tie; torch takes the first largest, or the first NaN."""
+    logits = torch.tensor(rows, dtype=torch.float32)
+    assert argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+
+
+def test_argmax_rows_reads_rows_apart_and_falls_back_for_other_dtypes():
+    logits = _randn(5, 49_152, dtype=torch.float32, seed=7)
+    logits[2, 40_000] = 99.0
+    spaced = torch.zeros(5, 50_000)[:, :49_152]
+    spaced.copy_(logits)
+    expected = logits.argmax(dim=-1).tolist()
+    assert expected[2] == 40_000
+    assert argmax_rows(logits) == argmax_rows(spaced) == expected
+    assert argmax_rows(logits.bfloat16()) == logits.bfloat16().argmax(dim=-1).tolist()
 
 
 def test_fused_ops_apply_only_where_they_can_run(monkeypatch):
