@@ -184,8 +184,15 @@ def test_ctrl_c_cancels_a_sweep_cleanly(folder, tmp_path):
     }
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(spec), encoding="utf-8")
     command = [sys.executable, "-m", "blocktune.tuner.cli", "sweep", "sweep.yaml"]
+    # The sweep must start with SIGINT at its default: one that pytest inherited as ignored
+    # (started as a script's background job, or by a runner that ignores it) passes on to
+    # its children, and Python then never raises KeyboardInterrupt.
     process = subprocess.Popen(
-        [*command, "--workers", "1"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*command, "--workers", "1"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         for line in process.stdout:
