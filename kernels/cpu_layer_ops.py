@@ -5,7 +5,8 @@ residual add and the RMS norm after it, the rotary embedding of its query and ke
 SwiGLU's `silu(gate) * up`. At decode batch sizes each operator costs more in its call
 than in its arithmetic, so `layer_ops.c` (in the library `blocktune.kernels.cpu_library`
 builds) does each chain in one call, with torch's roundings (see that file for which
-results are bitwise equal to torch's and which move by float32 rounding).
+results are bitwise equal to torch's and which move by float32 rounding). The same file
+has the engine's greedy pick, `argmax_rows`.
 
 `fused_ops_apply(x)` says whether these functions take `x`: a CPU tensor in float32 or
 bfloat16, autograd off, and a library that loads. Inputs are otherwise unchecked.
