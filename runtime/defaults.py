@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_BLOCK_SIZE", "DEFAULT_CANDIDATES", "DEFAULT_KV_BYTES", "ENGINE_DTYPES"]
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_CANDIDATES",
+    "DEFAULT_GATHER_S",
+    "DEFAULT_KV_BYTES",
+    "ENGINE_DTYPES",
+    "GATHER_LIMIT_S",
+]
 
 DEFAULT_BLOCK_SIZE = 16
 """vLLM's default block size: where a deployment starts and what replays compare against."""
@@ -15,3 +22,9 @@ DEFAULT_KV_BYTES = 64 * 2**20
 
 ENGINE_DTYPES = ("float32", "float16", "bfloat16")
 """The weight and KV dtypes the engine runs in, by torch's names."""
+
+DEFAULT_GATHER_S = 0.005
+"""How long an idle engine loop waits for a burst's next request before its first step."""
+
+GATHER_LIMIT_S = 0.05
+"""The longest an idle engine loop gathers a burst, however closely its requests follow."""

@@ -44,6 +44,7 @@ __all__ = [
     "positive_int",
     "report_skipped",
     "measurement_defaults",
+    "non_negative_float",
     "set_threads",
     "with_allowed_hosts",
 ]
@@ -54,6 +55,14 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """An argparse type: a number of at least 0."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of at least 0, got {text}")
     return value
 
 

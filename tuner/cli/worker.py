@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from blocktune.runtime.defaults import DEFAULT_GATHER_S, GATHER_LIMIT_S
 from blocktune.tuner.cli._common import (
     add_allowed_hosts_argument,
     add_engine_arguments,
     engine_config_from_args,
     load_model_from_args,
+    non_negative_float,
     set_threads,
 )
 from blocktune.tuner.config.defaults import DEFAULT_TOKEN_ENV
@@ -87,7 +89,7 @@ def run_worker(args: argparse.Namespace) -> int:
         engine.config.max_model_len,
         engine.kv.num_slots,
     )
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, gather_s=args.gather_ms / 1000)
     pusher = None
     if args.sidecar:
         pusher = LengthPusher(args.sidecar, token_from_env(args.sidecar_token_env))
@@ -185,6 +187,15 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="N",
         help="torch intra-op threads of the model step (default: torch's choice, one per "
         "physical core, or OMP_NUM_THREADS)",
+    )
+    parser.add_argument(
+        "--gather-ms",
+        type=non_negative_float,
+        default=DEFAULT_GATHER_S * 1000,
+        metavar="MS",
+        help="when requests reach an idle engine, start its first step once none has arrived "
+        f"for this long (at most {GATHER_LIMIT_S * 1000:g} ms), so that a burst is prefilled "
+        "in one step; 0 starts at once (default: %(default)g)",
     )
     parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
     parser.add_argument(
