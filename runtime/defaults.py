@@ -23,8 +23,12 @@ DEFAULT_KV_BYTES = 64 * 2**20
 ENGINE_DTYPES = ("float32", "float16", "bfloat16")
 """The weight and KV dtypes the engine runs in, by torch's names."""
 
-DEFAULT_GATHER_S = 0.005
-"""How long an idle engine loop waits for a burst's next request before its first step."""
+DEFAULT_GATHER_S = 0.0
+"""How long an idle engine loop waits for a burst's next request before its first step: not
+at all by default. Gathering prefills a burst in one step, which shortens its time to first
+token, but it also keeps the burst's requests in step, so that requests arriving as others
+finish come in waves too: on the vs_vllm chat workload 5 ms took TTFT p50 at 32 clients
+from 0.365-0.402 s to 0.351-0.360 s and at 8 from 0.109-0.135 s to 0.129-0.150 s."""
 
 GATHER_LIMIT_S = 0.05
 """The longest an idle engine loop gathers a burst, however closely its requests follow."""

@@ -13,9 +13,10 @@ together, or a wave of them after the last batch finished), a few hundred
 microseconds to a few milliseconds apart as the HTTP layer prepares them. A
 step started at the first arrival would prefill that request alone, and the rest
 of the burst would wait for that step before theirs; so an idle engine's first
-step waits until `gather_s` passes with no new request (at most
-`GATHER_LIMIT_S`) and prefills the burst together. A busy engine admits new
-requests at its next step boundary as before. `gather_s=0` starts at once.
+step can wait until `gather_s` passes with no new request (at most
+`GATHER_LIMIT_S`) and prefill the burst together. A busy engine admits new
+requests at its next step boundary. The default (`DEFAULT_GATHER_S`, 0) starts
+at once: see there for what gathering costs as well as what it buys.
 """
 
 from __future__ import annotations

@@ -195,7 +195,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         metavar="MS",
         help="when requests reach an idle engine, start its first step once none has arrived "
         f"for this long (at most {GATHER_LIMIT_S * 1000:g} ms), so that a burst is prefilled "
-        "in one step; 0 starts at once (default: %(default)g)",
+        "in one step: a shorter time to first token for bursts, but requests then tend to "
+        "arrive in waves; 0 starts at once (default: %(default)g)",
     )
     parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
     parser.add_argument(
