@@ -44,19 +44,23 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
     """A zeroed tensor. On a CPU its memory is an anonymous memory map, which the system
     fills with zero pages lazily: a pool takes memory, and the time to clear it, only where
     K/V are written, not its whole budget at start-up (a 3.5 GiB pool otherwise costs seconds
-    of page faults and all of its memory before the first request). A map of small pages,
-    not numpy's `zeros`: numpy asks for huge pages on large arrays, and where the system
-    compacts memory to find one on the first write (transparent huge pages on `madvise`),
-    the first K/V written into a fresh part of the pool cost milliseconds per layer (a
-    step of 31 new prompts: 0.38 s of its 0.99 s)."""
+    of page faults and all of its memory before the first request). The map asks for small
+    pages (numpy's `zeros` asks for huge ones on large arrays, and where the system compacts
+    memory to find one on the first write, the first K/V written into a fresh part of the
+    pool cost milliseconds per layer: a step of 31 new prompts, 0.38 s of its 0.99 s). It is
+    private, as malloc's maps are (Python's default is a shared one), so that a server that
+    faults its whole pool in (`KVCache.fault_in`) can still have it moved into huge pages
+    (`runtime.huge_pages`, which advises them first)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return (
-        torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=torch.uint8)[:nbytes]
-        .view(dtype)
-        .view(shape)
-    )
+    if hasattr(mmap, "MAP_PRIVATE"):
+        memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:
+        memory = mmap.mmap(-1, max(nbytes, 1))
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(memory, dtype=torch.uint8)[:nbytes].view(dtype).view(shape)
 
 
 class KVCache:
@@ -117,6 +121,14 @@ class KVCache:
 
     def num_blocks(self, block_size: int) -> int:
         return self.num_slots // block_size
+
+    def fault_in(self) -> None:
+        """Make the whole pool resident (the memory map gives it pages only where written) by
+        writing every value back as it is: a server that keeps its pool can then have it
+        moved into huge pages (`runtime.huge_pages`), and its steps no longer fault on
+        fresh pages."""
+        for tensor in self.k + self.v:
+            tensor.mul_(1)
 
     def view(self, layer: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as `[num_blocks, block_size, num_kv_heads, head_dim]` views."""

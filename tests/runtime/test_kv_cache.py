@@ -1,5 +1,8 @@
 """KV pool: the corrected memory formula and block-size views over the same memory."""
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,3 +56,20 @@ def test_a_pool_starts_zeroed_in_its_dtype_with_every_tensor_its_own_memory(dtyp
     assert all(torch.count_nonzero(t) == 0 for t in tensors[1:])
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+
+
+def _resident_bytes() -> int:
+    """The process's resident memory (Linux's /proc/self/statm)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's statm")
+def test_fault_in_makes_the_pool_resident_and_keeps_its_values():
+    pool = KVCache(num_layers=2, num_kv_heads=2, head_dim=64, num_slots=65_536)  # 128 MiB
+    pool.k[1][5] = 2.5
+    pool.v[0][-1] = -0.0
+    before = _resident_bytes()
+    pool.fault_in()
+    assert _resident_bytes() - before >= 0.9 * pool.nbytes  # the map gave pages only where written
+    assert pool.k[1][5].eq(2.5).all() and pool.k[1].count_nonzero() == 128
+    assert torch.signbit(pool.v[0][-1]).all() and pool.v[0].count_nonzero() == 0

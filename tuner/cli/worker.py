@@ -81,7 +81,7 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
     if args.huge_pages and loaded.model.device.type == "cpu":
-        _use_huge_pages(loaded.model)
+        _use_huge_pages(engine)
     logging.getLogger("blocktune.worker").info(
         "serving %s: at most %d tokens a request (max_model_len %d, a KV pool of %d tokens)",
         args.served_model_name or args.model,
@@ -108,13 +108,15 @@ def run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _use_huge_pages(model) -> None:
-    """Pack the weights, then move them and the KV pool into huge pages; log what moved."""
+def _use_huge_pages(engine) -> None:
+    """Pack the weights and fault the KV pool in, then move both into huge pages; log what
+    moved."""
     import logging
 
     from blocktune.runtime.huge_pages import collapse_resident_memory
 
-    model.pack_weights()
+    engine.model.pack_weights()
+    engine.kv.fault_in()
     collapsed = collapse_resident_memory()
     log = logging.getLogger("blocktune.worker")
     log.info("%d MiB of weights and KV pool in 2 MiB pages", collapsed.bytes >> 20)
