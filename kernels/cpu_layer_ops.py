@@ -82,8 +82,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """`logits.argmax(dim=-1).tolist()` for float32 CPU logits `[rows, vocab]` whose rows
-    are each one run of values, in one C pass per row (torch's argmax does not vectorise
-    here: 2.1 ms against about 0.3 ms for 32 rows of 49,152); torch's argmax elsewhere.
+    are each one run of values, in C (torch's argmax does not vectorise
+    here: 1.3 ms against 0.4 ms for 32 rows of 49,152); torch's argmax elsewhere.
     Ties and NaNs resolve as torch resolves them (the first index)."""
     library = cpu_library()
     if (
