@@ -32,11 +32,12 @@ from blocktune.tuner.cli._common import (
     block_size_arg,
     positive_int,
 )
-from blocktune.tuner.measure.processes import DEFAULT_JOBS, default_jobs
+from blocktune.tuner.measure.processes import DEFAULT_JOBS, WorkerProcessLost, default_jobs
 
 if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
     from blocktune.tuner.config.calibration import Calibration
+    from blocktune.tuner.config.policy import Policy
     from blocktune.tuner.fidelity.validation import Validation
     from blocktune.tuner.sim.workload import Workload
 
@@ -77,7 +78,7 @@ def run_validate(args: argparse.Namespace) -> int:
         model, name = load_shaped_model_from_args(args, device=args.device)
         block_sizes = tuple(args.block_sizes or policy.candidates)
         calibration = _engine_calibration(
-            args, calibration, model, name, block_sizes, workload, progress
+            args, policy, calibration, model, name, block_sizes, workload, progress
         )
         clock = calibration.engine.clock
         if clock == "wall" and args.device == "cpu":
@@ -106,6 +107,13 @@ def run_validate(args: argparse.Namespace) -> int:
     except ValueError as error:  # every bad input: policy, trace, model, calibration
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except WorkerProcessLost as error:
+        print(
+            f"error: {error}; --jobs 1 does the work in this process, one point or live run "
+            "at a time (less memory at once), and fewer --requests make shorter runs",
+            file=sys.stderr,
+        )
+        return 1
     return _report(validation, label, args)
 
 
@@ -191,6 +199,7 @@ def _report(
 
 def _engine_calibration(
     args: argparse.Namespace,
+    policy: Policy,
     calibration: Calibration,
     model: LlamaModel,
     name: str,
@@ -199,10 +208,12 @@ def _engine_calibration(
     progress: Callable[[str], None],
 ) -> Calibration:
     """The calibration given (it must have an engine section), or one measured now on the
-    default grid fitted to the workload's lengths; torch uses the calibration's threads
+    default grid fitted to the workload's lengths and to the policy's pool (no point holds
+    more tokens than validate's live engines can); torch uses the calibration's threads
     unless --threads says otherwise."""
     from blocktune.tuner.cli._common import set_threads
     from blocktune.tuner.config.calibration import CalibrationError
+    from blocktune.tuner.fidelity.validation import pool_slots
     from blocktune.tuner.measure.engine_measure import (
         default_engine_grid,
         grid_for_lengths,
@@ -232,6 +243,7 @@ def _engine_calibration(
         workload.prompt_tokens,
         workload.total_tokens,
         model.config.max_position_embeddings,
+        pool_tokens=pool_slots(policy, model, calibration, block_sizes),
     )
     progress(
         f"measuring an engine calibration first ({args.clock} clock, prefill chunks "

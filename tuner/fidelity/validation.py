@@ -64,6 +64,7 @@ __all__ = [
     "Ranking",
     "StepSensitivity",
     "Validation",
+    "pool_slots",
     "step_sensitivity",
     "validate",
 ]
@@ -237,7 +238,7 @@ def validate(
     the model or a block size."""
     import torch
 
-    from blocktune.tuner.measure.engine_measure import check_clock, model_shape
+    from blocktune.tuner.measure.engine_measure import check_clock
 
     if runs < 1:
         raise ValueError(f"need runs >= 1, got {runs}")
@@ -246,12 +247,10 @@ def validate(
     calibration.require(block_sizes)
     clock = calibration.engine.clock if calibration.engine is not None else "wall"
     check_clock(clock, model)
-    served = Policy.model_validate(
-        {**dict(policy), "model": model_shape(model), "candidates": block_sizes}
-    )
+    served = _served_policy(policy, model, block_sizes)
     server = StepCostModel(served, calibration, step_s)
     limit = min(
-        model.config.max_position_embeddings, *(server.capacity_slots(b) for b in block_sizes)
+        model.config.max_position_embeddings, pool_slots(policy, model, calibration, block_sizes)
     )
     kept = workload.without_longer_than(limit)
     sizes = served.candidates
@@ -290,6 +289,25 @@ def validate(
         "runs": runs,
     }
     return Validation(trace=trace, setup=setup, checks=checks)
+
+
+def pool_slots(
+    policy: Policy, model: LlamaModel, calibration: Calibration, block_sizes: tuple[int, ...]
+) -> int:
+    """Token slots of the smallest of validate's live pools (the policy's KV budget at
+    `model`'s K/V bytes per token, in whole blocks of each of `block_sizes`): the most tokens
+    a request, or a step's requests together, hold there."""
+    server = StepCostModel(_served_policy(policy, model, block_sizes), calibration)
+    return min(server.capacity_slots(b) for b in block_sizes)
+
+
+def _served_policy(policy: Policy, model: LlamaModel, block_sizes: tuple[int, ...]) -> Policy:
+    """`policy` with `model`'s shape and `block_sizes` as its candidates: what validate serves."""
+    from blocktune.tuner.measure.engine_measure import model_shape
+
+    return Policy.model_validate(
+        {**dict(policy), "model": model_shape(model), "candidates": block_sizes}
+    )
 
 
 def step_sensitivity(

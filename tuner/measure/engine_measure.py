@@ -90,7 +90,10 @@ GRID_POINTS = 4
 @dataclass(frozen=True)
 class EngineGrid:
     """What `measure_engine` times: block sizes, decode batches x contexts, prefill chunks
-    and how many prompts an admission step admits together."""
+    and how many prompts an admission step admits together. With `pool_tokens` (the slots
+    of the pool the priced steps are served from), the points whose requests would hold
+    more tokens together are left out: such steps never occur there, and timing them costs
+    minutes and gigabytes on a large model at long contexts."""
 
     block_sizes: tuple[int, ...]
     batch_sizes: tuple[int, ...]
@@ -98,12 +101,21 @@ class EngineGrid:
     prefill_chunks: tuple[int, ...]
     repeats: int
     admissions: tuple[int, ...] = DEFAULT_ADMISSIONS
+    pool_tokens: int | None = None
+
+    @property
+    def growth(self) -> int:
+        """The most tokens a request gains beyond its prompt at a point of the grid."""
+        return SETTLE_STEPS + self.repeats + 2
 
     @property
     def longest(self) -> int:
         """The most tokens a request of the grid holds."""
-        decode_steps = SETTLE_STEPS + self.repeats
-        return max(*self.context_lens, *self.prefill_chunks) + decode_steps + 2
+        return max(*self.context_lens, *self.prefill_chunks) + self.growth
+
+    def holds(self, tokens: int) -> bool:
+        """Whether requests holding `tokens` tokens together fit in `pool_tokens`."""
+        return self.pool_tokens is None or tokens <= self.pool_tokens
 
     @property
     def admission_points(self) -> list[tuple[int, int]]:
@@ -123,16 +135,26 @@ def default_engine_grid(*, quick: bool, block_sizes: tuple[int, ...]) -> EngineG
 
 
 def grid_for_lengths(
-    grid: EngineGrid, prompt_tokens: np.ndarray, total_tokens: np.ndarray, max_tokens: int
+    grid: EngineGrid,
+    prompt_tokens: np.ndarray,
+    total_tokens: np.ndarray,
+    max_tokens: int,
+    *,
+    pool_tokens: int | None = None,
 ) -> EngineGrid:
     """`grid` with prefill chunks reaching the longest prompt and decode contexts reaching the
     longest request (`GRID_POINTS` each, geometric from the grid's shortest), every request
-    of the grid within `max_tokens` positions.
+    of the grid within `max_tokens` positions, and within `pool_tokens` slots where the
+    steps priced are served from a pool of that many (`EngineGrid.pool_tokens`).
 
-    Requests of more than `max_tokens` tokens are never served (the engine refuses them,
-    `blocktune validate` leaves them out), so they do not stretch the grid: timing prompts
-    longer than any served one only moves the fit away from the steps it prices."""
-    room = max_tokens - 1 - (grid.longest - max(*grid.context_lens, *grid.prefill_chunks))
+    Requests of more than `max_tokens` tokens (or `pool_tokens`) are never served (the engine
+    refuses them, `blocktune validate` leaves them out), so they do not stretch the grid:
+    timing prompts longer than any served one only moves the fit away from the steps it
+    prices."""
+    if pool_tokens is not None:
+        grid = replace(grid, pool_tokens=pool_tokens)
+        max_tokens = min(max_tokens, pool_tokens)
+    room = max_tokens - 1 - grid.growth
     served = total_tokens <= max_tokens
     if served.any():
         prompt_tokens, total_tokens = prompt_tokens[served], total_tokens[served]
@@ -404,6 +426,8 @@ def _points(grid: EngineGrid) -> list[Point]:
     points: list[Point] = []
     for batch in grid.batch_sizes:
         for context in grid.context_lens:
+            if not grid.holds(batch * (context + grid.growth)):
+                continue
             points.append(partial(_decode_point, short=0, long=batch, context=context))
             if batch > 1 and context > shortest:
                 half = batch // 2
@@ -411,8 +435,11 @@ def _points(grid: EngineGrid) -> list[Point]:
                     partial(_decode_point, short=half, long=batch - half, context=context)
                 )
     middle = grid.batch_sizes[len(grid.batch_sizes) // 2]
+    held = middle * (grid.context_lens[len(grid.context_lens) // 2] + grid.growth)
     for decoding in (0, middle):
         for prompts, tokens in grid.admission_points:
+            if decoding and not grid.holds(held + prompts * tokens):
+                continue
             points.append(
                 partial(_admission_point, decoding=decoding, prompts=prompts, tokens=tokens)
             )

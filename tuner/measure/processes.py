@@ -13,10 +13,16 @@ import os
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-__all__ = ["DEFAULT_JOBS", "default_jobs", "map_in_processes"]
+__all__ = ["DEFAULT_JOBS", "WorkerProcessLost", "default_jobs", "map_in_processes"]
 
 DEFAULT_JOBS = 2
 """Worker processes by default (at most the machine's cores): both cores of a 2-core CPU."""
+
+
+class WorkerProcessLost(RuntimeError):
+    """A worker process ended without returning its result: the system killed it (most
+    often for want of memory) or it crashed."""
+
 
 Task = TypeVar("Task")
 Result = TypeVar("Result")
@@ -37,7 +43,8 @@ def map_in_processes(
 ) -> list[Result]:
     """`[function(task) for task in tasks]`, in `jobs` processes with `threads` torch threads
     each (here when `jobs` is 1). `function` and the tasks must pickle (a module-level
-    function, plain data, models). `done(finished, total)` is called as tasks finish."""
+    function, plain data, models). `done(finished, total)` is called as tasks finish.
+    Raises `WorkerProcessLost` when a worker process dies before it returns."""
     tasks = list(tasks)
     if jobs < 1:
         raise ValueError(f"jobs must be at least 1, got {jobs}")
@@ -49,6 +56,7 @@ def map_in_processes(
         return results
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
 
     context = multiprocessing.get_context("spawn")  # no fork of a process that runs torch
     with ProcessPoolExecutor(
@@ -56,9 +64,15 @@ def map_in_processes(
     ) as pool:
         futures = {pool.submit(function, task): i for i, task in enumerate(tasks)}
         results: list = [None] * len(tasks)
-        for finished, future in enumerate(as_completed(futures), start=1):
-            results[futures[future]] = future.result()
-            done(finished, len(tasks))
+        try:
+            for finished, future in enumerate(as_completed(futures), start=1):
+                results[futures[future]] = future.result()
+                done(finished, len(tasks))
+        except BrokenProcessPool as error:
+            raise WorkerProcessLost(
+                f"a worker process (one of {min(jobs, len(tasks))}) ended without its result: "
+                "the system killed it, most often for want of memory, or it crashed"
+            ) from error
     return results
 
 

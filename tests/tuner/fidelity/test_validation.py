@@ -277,3 +277,12 @@ def test_a_step_scale_must_be_positive():
 
     with pytest.raises(ValueError, match="step_scale must be a positive number"):
         replace(_server(10), step_scale=0.0)
+
+
+def test_the_pool_validate_serves_from_is_the_policy_budget_in_whole_blocks_of_each_size(model):
+    from blocktune.tuner.fidelity.validation import pool_slots
+
+    # 100 slots' worth of budget: 96 slots in blocks of 8 or 16 (6 of 16), 64 in blocks of 64.
+    policy = _server(num_blocks=25, block_size=4).policy
+    assert pool_slots(policy, model, analytic_calibration(), (8, 16)) == 96
+    assert pool_slots(policy, model, analytic_calibration(), (8, 16, 64)) == 64

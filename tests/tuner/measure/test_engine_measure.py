@@ -2,6 +2,7 @@
 and `blocktune replay` and `blocktune validate` read it."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -241,3 +242,52 @@ def test_the_grid_s_requests_hold_blocks_of_their_own():
     engine_measure._start(engine, np.random.default_rng(0), 4, 32, 2)
     # Each holds the K/V of its 32 prompt tokens and the token it sampled gets a slot next.
     assert engine.stats()["blocks_used"] == 4 * blocks_for(32, 8)
+
+
+def test_a_grid_for_a_pool_times_only_the_steps_the_pool_can_hold():
+    """validate serves from the policy's pool: a decode batch or an admission beside one that
+    holds more tokens than that pool never occurs there, so the grid leaves it out (on
+    SmolLM2 with a 256 MiB pool the full grid held 32 requests of 4,147 tokens: 6 GB of K/V
+    in each of two processes, which the system killed)."""
+    import numpy as np
+
+    from blocktune.tuner.measure import engine_measure
+
+    grid = engine_measure.default_engine_grid(quick=False, block_sizes=(8, 16))
+    prompts, totals = np.array([12, 700, 3000]), np.array([40, 900, 3300])
+    pooled = engine_measure.grid_for_lengths(grid, prompts, totals, 8192, pool_tokens=5600)
+    assert pooled.pool_tokens == 5600
+    assert (
+        pooled.context_lens
+        == engine_measure.grid_for_lengths(grid, prompts, totals, 8192).context_lens
+    )
+
+    def held(point) -> int:
+        k = point.keywords
+        if "long" in k:  # a decode batch
+            return (k["short"] + k["long"]) * (k["context"] + pooled.growth)
+        middle_context = pooled.context_lens[len(pooled.context_lens) // 2]
+        return k["decoding"] * (middle_context + pooled.growth) + k["prompts"] * k["tokens"]
+
+    kept = engine_measure._points(pooled)
+    every = engine_measure._points(replace(pooled, pool_tokens=None))
+    assert all(held(point) <= 5600 for point in kept)
+    left_out = [p for p in every if p.keywords not in [q.keywords for q in kept]]
+    assert left_out and all(held(point) > 5600 for point in left_out)
+    assert len(kept) + len(left_out) == len(every)
+    # Every context is still timed with one request, and every admission alone.
+    assert {p.keywords["context"] for p in kept if p.keywords.get("long") == 1} == set(
+        pooled.context_lens
+    )
+    alone = {
+        (p.keywords["prompts"], p.keywords["tokens"])
+        for p in kept
+        if "prompts" in p.keywords and p.keywords["decoding"] == 0
+    }
+    assert alone == set(pooled.admission_points)
+    # A pool shorter than the model's positions caps the requests as the positions do.
+    lengths = np.array([12, 700, 2000]), np.array([40, 900, 2040])
+    short = engine_measure.grid_for_lengths(grid, *lengths, 8192, pool_tokens=2048)
+    assert short.longest == 2047 and short.prefill_chunks[-1] == 2000
+    served = engine_measure.grid_for_lengths(grid, prompts, totals, 8192, pool_tokens=2048)
+    assert served.prefill_chunks[-1] == 700 and served.context_lens[-1] == 900
