@@ -92,8 +92,9 @@ class EngineGrid:
     """What `measure_engine` times: block sizes, decode batches x contexts, prefill chunks
     and how many prompts an admission step admits together. With `pool_tokens` (the slots
     of the pool the priced steps are served from), the points whose requests would hold
-    more tokens together are left out: such steps never occur there, and timing them costs
-    minutes and gigabytes on a large model at long contexts."""
+    more tokens together are left out (a decode batch is timed at the context where it
+    fills the pool instead): such steps never occur there, and timing them costs minutes
+    and gigabytes on a large model at long contexts."""
 
     block_sizes: tuple[int, ...]
     batch_sizes: tuple[int, ...]
@@ -425,9 +426,7 @@ def _points(grid: EngineGrid) -> list[Point]:
     shortest = min(grid.context_lens)
     points: list[Point] = []
     for batch in grid.batch_sizes:
-        for context in grid.context_lens:
-            if not grid.holds(batch * (context + grid.growth)):
-                continue
+        for context in _contexts(grid, batch):
             points.append(partial(_decode_point, short=0, long=batch, context=context))
             if batch > 1 and context > shortest:
                 half = batch // 2
@@ -444,6 +443,18 @@ def _points(grid: EngineGrid) -> list[Point]:
                 partial(_admission_point, decoding=decoding, prompts=prompts, tokens=tokens)
             )
     return points
+
+
+def _contexts(grid: EngineGrid, batch: int) -> list[int]:
+    """The decode contexts a batch of `batch` requests is timed at: the grid's that fit its
+    pool and, where the pool stops the batch short of the longest, the longest context at
+    which the batch fills the pool instead (a saturated server spends its steps there)."""
+    fitting = [c for c in grid.context_lens if grid.holds(batch * (c + grid.growth))]
+    if grid.pool_tokens is not None and len(fitting) < len(grid.context_lens):
+        filling = grid.pool_tokens // batch - grid.growth
+        if filling > max(fitting, default=0):
+            fitting.append(filling)
+    return fitting
 
 
 def _decode_point(

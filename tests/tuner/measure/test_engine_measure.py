@@ -246,9 +246,10 @@ def test_the_grid_s_requests_hold_blocks_of_their_own():
 
 def test_a_grid_for_a_pool_times_only_the_steps_the_pool_can_hold():
     """validate serves from the policy's pool: a decode batch or an admission beside one that
-    holds more tokens than that pool never occurs there, so the grid leaves it out (on
-    SmolLM2 with a 256 MiB pool the full grid held 32 requests of 4,147 tokens: 6 GB of K/V
-    in each of two processes, which the system killed)."""
+    holds more tokens than that pool never occurs there, so the grid leaves it out and times
+    the batch where it fills the pool instead (on SmolLM2 with a 256 MiB pool the full grid
+    held 32 requests of 4,147 tokens: 6 GB of K/V in each of two processes, which the system
+    killed)."""
     import numpy as np
 
     from blocktune.tuner.measure import engine_measure
@@ -262,28 +263,25 @@ def test_a_grid_for_a_pool_times_only_the_steps_the_pool_can_hold():
         == engine_measure.grid_for_lengths(grid, prompts, totals, 8192).context_lens
     )
 
-    def held(point) -> int:
-        k = point.keywords
+    def held(k: dict) -> int:
         if "long" in k:  # a decode batch
             return (k["short"] + k["long"]) * (k["context"] + pooled.growth)
         middle_context = pooled.context_lens[len(pooled.context_lens) // 2]
         return k["decoding"] * (middle_context + pooled.growth) + k["prompts"] * k["tokens"]
 
-    kept = engine_measure._points(pooled)
-    every = engine_measure._points(replace(pooled, pool_tokens=None))
-    assert all(held(point) <= 5600 for point in kept)
-    left_out = [p for p in every if p.keywords not in [q.keywords for q in kept]]
-    assert left_out and all(held(point) > 5600 for point in left_out)
-    assert len(kept) + len(left_out) == len(every)
+    kept = [point.keywords for point in engine_measure._points(pooled)]
+    every = [point.keywords for point in engine_measure._points(replace(pooled, pool_tokens=None))]
+    assert all(held(k) <= 5600 for k in kept)
+    assert any(held(k) > 5600 for k in every)
+    assert [k for k in every if held(k) <= 5600] == [k for k in kept if k in every]
+    # A batch the pool stops short of the longest context is timed where it fills the pool.
+    for batch in (8, 32):
+        contexts = [k["context"] for k in kept if k.get("long") == batch and k["short"] == 0]
+        assert max(contexts) == 5600 // batch - pooled.growth
+        assert max(contexts) not in pooled.context_lens
     # Every context is still timed with one request, and every admission alone.
-    assert {p.keywords["context"] for p in kept if p.keywords.get("long") == 1} == set(
-        pooled.context_lens
-    )
-    alone = {
-        (p.keywords["prompts"], p.keywords["tokens"])
-        for p in kept
-        if "prompts" in p.keywords and p.keywords["decoding"] == 0
-    }
+    assert {k["context"] for k in kept if k.get("long") == 1} == set(pooled.context_lens)
+    alone = {(k["prompts"], k["tokens"]) for k in kept if k.get("decoding") == 0}
     assert alone == set(pooled.admission_points)
     # A pool shorter than the model's positions caps the requests as the positions do.
     lengths = np.array([12, 700, 2000]), np.array([40, 900, 2040])
