@@ -208,8 +208,8 @@ def _engine_calibration(
     progress: Callable[[str], None],
 ) -> Calibration:
     """The calibration given (it must have an engine section), or one measured now on the
-    default grid fitted to the workload's lengths and to the policy's pool (no point holds
-    more tokens than validate's live engines can); torch uses the calibration's threads
+    default grid fitted to the workload's lengths (those the policy's pool holds) and to the
+    pool (`grid_for_pool`); torch uses the calibration's threads
     unless --threads says otherwise."""
     from blocktune.tuner.cli._common import set_threads
     from blocktune.tuner.config.calibration import CalibrationError
@@ -217,6 +217,7 @@ def _engine_calibration(
     from blocktune.tuner.measure.engine_measure import (
         default_engine_grid,
         grid_for_lengths,
+        grid_for_pool,
         measure_engine_calibration,
     )
 
@@ -238,13 +239,14 @@ def _engine_calibration(
             )
         return calibration
     set_threads(args.threads)
+    pool = pool_slots(policy, model, calibration, block_sizes)
     grid = grid_for_lengths(
         default_engine_grid(quick=False, block_sizes=block_sizes),
         workload.prompt_tokens,
         workload.total_tokens,
-        model.config.max_position_embeddings,
-        pool_tokens=pool_slots(policy, model, calibration, block_sizes),
+        min(model.config.max_position_embeddings, pool),
     )
+    grid = grid_for_pool(grid, model, pool)
     progress(
         f"measuring an engine calibration first ({args.clock} clock, prefill chunks "
         f"{list(grid.prefill_chunks)}, contexts {list(grid.context_lens)})"

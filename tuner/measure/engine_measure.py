@@ -63,12 +63,14 @@ if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
 
 __all__ = [
+    "GRID_POINT_KV_BYTES",
     "STEP_CLOCKS",
     "EngineGrid",
     "default_engine_grid",
     "describe_fit",
     "engine_model",
     "grid_for_lengths",
+    "grid_for_pool",
     "measure_engine",
     "measure_engine_calibration",
     "model_shape",
@@ -85,16 +87,22 @@ DEFAULT_ADMISSIONS = (1, 4)
 """Prompts admitted together in the grid's admission steps."""
 GRID_POINTS = 4
 """Prefill chunks and decode contexts of a grid fitted to a workload (`grid_for_lengths`)."""
+GRID_POINT_KV_BYTES = 2**30
+"""The most K/V a grid point's requests hold together where the pool the steps are priced for
+holds less (`grid_for_pool`): the fit still sees large batches at long contexts, which steady
+its terms (SmolLM2's grid held to a 16 MiB pool's 364 tokens kept 9 of 26 points, and
+validate missed TPOT p50 by 11.6% where the whole grid's fit missed by 4.6%), and two worker
+processes still fit a small machine (SmolLM2's grid fitted to the Azure lengths held 6 GB of
+K/V at its largest point, and the system killed a worker)."""
 
 
 @dataclass(frozen=True)
 class EngineGrid:
     """What `measure_engine` times: block sizes, decode batches x contexts, prefill chunks
-    and how many prompts an admission step admits together. With `pool_tokens` (the slots
-    of the pool the priced steps are served from), the points whose requests would hold
-    more tokens together are left out (a decode batch is timed at the context where it
-    fills the pool instead): such steps never occur there, and timing them costs minutes
-    and gigabytes on a large model at long contexts."""
+    and how many prompts an admission step admits together. With `held_tokens`, the points
+    whose requests would hold more tokens together are left out, and a decode batch cut
+    short that way is timed at the context where it holds that many instead
+    (`grid_for_pool`)."""
 
     block_sizes: tuple[int, ...]
     batch_sizes: tuple[int, ...]
@@ -102,7 +110,7 @@ class EngineGrid:
     prefill_chunks: tuple[int, ...]
     repeats: int
     admissions: tuple[int, ...] = DEFAULT_ADMISSIONS
-    pool_tokens: int | None = None
+    held_tokens: int | None = None
 
     @property
     def growth(self) -> int:
@@ -115,8 +123,8 @@ class EngineGrid:
         return max(*self.context_lens, *self.prefill_chunks) + self.growth
 
     def holds(self, tokens: int) -> bool:
-        """Whether requests holding `tokens` tokens together fit in `pool_tokens`."""
-        return self.pool_tokens is None or tokens <= self.pool_tokens
+        """Whether requests holding `tokens` tokens together stay within `held_tokens`."""
+        return self.held_tokens is None or tokens <= self.held_tokens
 
     @property
     def admission_points(self) -> list[tuple[int, int]]:
@@ -140,21 +148,14 @@ def grid_for_lengths(
     prompt_tokens: np.ndarray,
     total_tokens: np.ndarray,
     max_tokens: int,
-    *,
-    pool_tokens: int | None = None,
 ) -> EngineGrid:
     """`grid` with prefill chunks reaching the longest prompt and decode contexts reaching the
     longest request (`GRID_POINTS` each, geometric from the grid's shortest), every request
-    of the grid within `max_tokens` positions, and within `pool_tokens` slots where the
-    steps priced are served from a pool of that many (`EngineGrid.pool_tokens`).
+    of the grid within `max_tokens` tokens (the model's positions, or a smaller pool).
 
-    Requests of more than `max_tokens` tokens (or `pool_tokens`) are never served (the engine
-    refuses them, `blocktune validate` leaves them out), so they do not stretch the grid:
-    timing prompts longer than any served one only moves the fit away from the steps it
-    prices."""
-    if pool_tokens is not None:
-        grid = replace(grid, pool_tokens=pool_tokens)
-        max_tokens = min(max_tokens, pool_tokens)
+    Requests of more than `max_tokens` tokens are never served (the engine refuses them,
+    `blocktune validate` leaves them out), so they do not stretch the grid: timing prompts
+    longer than any served one only moves the fit away from the steps it prices."""
     room = max_tokens - 1 - grid.growth
     served = total_tokens <= max_tokens
     if served.any():
@@ -170,6 +171,13 @@ def grid_for_lengths(
         prefill_chunks=reaching(np.max(prompt_tokens), min(grid.prefill_chunks)),
         context_lens=reaching(np.max(total_tokens), min(grid.context_lens)),
     )
+
+
+def grid_for_pool(grid: EngineGrid, model: LlamaModel, pool_tokens: int) -> EngineGrid:
+    """`grid` for steps served from a pool of `pool_tokens` slots: its points hold at most the
+    pool's tokens or `GRID_POINT_KV_BYTES` of `model`'s K/V, whichever is more."""
+    per_token = model_shape(model).kv_bytes_per_token
+    return replace(grid, held_tokens=max(pool_tokens, GRID_POINT_KV_BYTES // per_token))
 
 
 def engine_model(model: LlamaModel, name: str) -> EngineModel:
@@ -446,12 +454,12 @@ def _points(grid: EngineGrid) -> list[Point]:
 
 
 def _contexts(grid: EngineGrid, batch: int) -> list[int]:
-    """The decode contexts a batch of `batch` requests is timed at: the grid's that fit its
-    pool and, where the pool stops the batch short of the longest, the longest context at
-    which the batch fills the pool instead (a saturated server spends its steps there)."""
+    """The decode contexts a batch of `batch` requests is timed at: the grid's within its
+    `held_tokens` and, where that stops the batch short of the longest, the longest context
+    within it instead."""
     fitting = [c for c in grid.context_lens if grid.holds(batch * (c + grid.growth))]
-    if grid.pool_tokens is not None and len(fitting) < len(grid.context_lens):
-        filling = grid.pool_tokens // batch - grid.growth
+    if grid.held_tokens is not None and len(fitting) < len(grid.context_lens):
+        filling = grid.held_tokens // batch - grid.growth
         if filling > max(fitting, default=0):
             fitting.append(filling)
     return fitting

@@ -244,48 +244,51 @@ def test_the_grid_s_requests_hold_blocks_of_their_own():
     assert engine.stats()["blocks_used"] == 4 * blocks_for(32, 8)
 
 
-def test_a_grid_for_a_pool_times_only_the_steps_the_pool_can_hold():
-    """validate serves from the policy's pool: a decode batch or an admission beside one that
-    holds more tokens than that pool never occurs there, so the grid leaves it out and times
-    the batch where it fills the pool instead (on SmolLM2 with a 256 MiB pool the full grid
-    held 32 requests of 4,147 tokens: 6 GB of K/V in each of two processes, which the system
-    killed)."""
+def test_a_grid_held_to_a_number_of_tokens_times_only_points_within_it():
+    """A point whose requests hold more than `held_tokens` together is left out, and a decode
+    batch cut short that way is timed where it holds that many instead."""
     import numpy as np
 
     from blocktune.tuner.measure import engine_measure
 
     grid = engine_measure.default_engine_grid(quick=False, block_sizes=(8, 16))
-    prompts, totals = np.array([12, 700, 3000]), np.array([40, 900, 3300])
-    pooled = engine_measure.grid_for_lengths(grid, prompts, totals, 8192, pool_tokens=5600)
-    assert pooled.pool_tokens == 5600
-    assert (
-        pooled.context_lens
-        == engine_measure.grid_for_lengths(grid, prompts, totals, 8192).context_lens
-    )
+    fitted = engine_measure.grid_for_lengths(grid, np.array([12, 3000]), np.array([40, 3300]), 8192)
+    held_to = replace(fitted, held_tokens=5600)
 
     def held(k: dict) -> int:
         if "long" in k:  # a decode batch
-            return (k["short"] + k["long"]) * (k["context"] + pooled.growth)
-        middle_context = pooled.context_lens[len(pooled.context_lens) // 2]
-        return k["decoding"] * (middle_context + pooled.growth) + k["prompts"] * k["tokens"]
+            return (k["short"] + k["long"]) * (k["context"] + fitted.growth)
+        middle_context = fitted.context_lens[len(fitted.context_lens) // 2]
+        return k["decoding"] * (middle_context + fitted.growth) + k["prompts"] * k["tokens"]
 
-    kept = [point.keywords for point in engine_measure._points(pooled)]
-    every = [point.keywords for point in engine_measure._points(replace(pooled, pool_tokens=None))]
+    kept = [point.keywords for point in engine_measure._points(held_to)]
+    every = [point.keywords for point in engine_measure._points(fitted)]
     assert all(held(k) <= 5600 for k in kept)
     assert any(held(k) > 5600 for k in every)
     assert [k for k in every if held(k) <= 5600] == [k for k in kept if k in every]
-    # A batch the pool stops short of the longest context is timed where it fills the pool.
     for batch in (8, 32):
         contexts = [k["context"] for k in kept if k.get("long") == batch and k["short"] == 0]
-        assert max(contexts) == 5600 // batch - pooled.growth
-        assert max(contexts) not in pooled.context_lens
+        assert max(contexts) == 5600 // batch - fitted.growth
+        assert max(contexts) not in fitted.context_lens
     # Every context is still timed with one request, and every admission alone.
-    assert {k["context"] for k in kept if k.get("long") == 1} == set(pooled.context_lens)
+    assert {k["context"] for k in kept if k.get("long") == 1} == set(fitted.context_lens)
     alone = {(k["prompts"], k["tokens"]) for k in kept if k.get("decoding") == 0}
-    assert alone == set(pooled.admission_points)
-    # A pool shorter than the model's positions caps the requests as the positions do.
-    lengths = np.array([12, 700, 2000]), np.array([40, 900, 2040])
-    short = engine_measure.grid_for_lengths(grid, *lengths, 8192, pool_tokens=2048)
-    assert short.longest == 2047 and short.prefill_chunks[-1] == 2000
-    served = engine_measure.grid_for_lengths(grid, prompts, totals, 8192, pool_tokens=2048)
-    assert served.prefill_chunks[-1] == 700 and served.context_lens[-1] == 900
+    assert alone == set(fitted.admission_points)
+
+
+def test_a_grid_for_a_small_pool_holds_the_pool_or_a_gibibyte_of_k_v_whichever_is_more():
+    """validate serves from the policy's pool: its grid holds no point of more than that pool
+    or `GRID_POINT_KV_BYTES` of K/V (SmolLM2's whole grid on the Azure lengths held 6 GB a
+    point, in each of two processes, and the system killed one)."""
+    from blocktune.runtime.loading import load_weights
+    from blocktune.tuner.measure import engine_measure
+
+    model = load_weights("tiny-random", seed=0)
+    per_token = engine_measure.model_shape(model).kv_bytes_per_token
+    grid = engine_measure.default_engine_grid(quick=False, block_sizes=(8,))
+    small = engine_measure.grid_for_pool(grid, model, 256)
+    assert small.held_tokens == engine_measure.GRID_POINT_KV_BYTES // per_token
+    large = 4 * engine_measure.GRID_POINT_KV_BYTES // per_token
+    assert engine_measure.grid_for_pool(grid, model, large).held_tokens == large
+    # Nothing else of the grid changes.
+    assert replace(small, held_tokens=None) == grid
