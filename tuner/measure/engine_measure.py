@@ -383,11 +383,14 @@ def _engine(model: LlamaModel, grid: EngineGrid, block_size: int, backend: str) 
     from blocktune.runtime.engine import Engine, EngineConfig
 
     rows = max(grid.batch_sizes) + max(grid.admissions) + 2
+    blocks = rows * (-(-grid.longest // block_size) + 1)
+    if grid.held_tokens is not None:  # no point holds more (`_points`), nor the pool more
+        blocks = min(blocks, -(-grid.held_tokens // block_size) + 2 * rows)
     return Engine(
         model,
         EngineConfig(
             block_size=block_size,
-            num_blocks=rows * (-(-grid.longest // block_size) + 1),
+            num_blocks=blocks,
             max_num_seqs=rows,
             max_model_len=grid.longest + 1,
             attention_backend=backend,

@@ -292,3 +292,26 @@ def test_a_grid_for_a_small_pool_holds_the_pool_or_a_gibibyte_of_k_v_whichever_i
     assert engine_measure.grid_for_pool(grid, model, large).held_tokens == large
     # Nothing else of the grid changes.
     assert replace(small, held_tokens=None) == grid
+
+
+def test_a_held_grid_runs_every_point_on_a_pool_of_its_size():
+    """The grid's engines hold `held_tokens` (and a block of rounding a request), not a
+    batch of the longest requests: the prefix cache walks a pool through all of its blocks,
+    so a pool sized for the largest batch at the longest context took that much memory
+    whether or not any point held it."""
+    from blocktune.runtime.loading import load_weights
+    from blocktune.tuner.measure import engine_measure
+
+    model = load_weights("tiny-random", seed=0)
+    grid = replace(
+        engine_measure.default_engine_grid(quick=True, block_sizes=(8,)), held_tokens=200
+    )
+    rows = max(grid.batch_sizes) + max(grid.admissions) + 2
+    engine = engine_measure._engine(model, grid, 8, "torch")
+    assert engine.kv.num_slots == (-(-200 // 8) + 2 * rows) * 8
+    whole = engine_measure._engine(model, replace(grid, held_tokens=None), 8, "torch")
+    assert whole.kv.num_slots > engine.kv.num_slots
+    count = len(engine_measure._points(grid))
+    steps = engine_measure._time_points(model, grid, "torch", "wall", 0, (0, range(count)))
+    assert len(steps) == count * grid.repeats
+    assert max(step.context_tokens for step in steps) <= 200
