@@ -244,6 +244,7 @@ def measured_provenance(device: str, backend: str, grid: object, notes: str) -> 
     grid_record = {
         key: list(value) if isinstance(value, tuple) else value
         for key, value in asdict(grid).items()
+        if value is not None  # a limit the grid does not have
     }
     return Provenance(
         kind="measured",
