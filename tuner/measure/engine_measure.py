@@ -144,10 +144,7 @@ def default_engine_grid(*, quick: bool, block_sizes: tuple[int, ...]) -> EngineG
 
 
 def grid_for_lengths(
-    grid: EngineGrid,
-    prompt_tokens: np.ndarray,
-    total_tokens: np.ndarray,
-    max_tokens: int,
+    grid: EngineGrid, prompt_tokens: np.ndarray, total_tokens: np.ndarray, max_tokens: int
 ) -> EngineGrid:
     """`grid` with prefill chunks reaching the longest prompt and decode contexts reaching the
     longest request (`GRID_POINTS` each, geometric from the grid's shortest), every request
