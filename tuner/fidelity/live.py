@@ -112,4 +112,5 @@ def serve_live(
         used_slot_steps=used_slot_steps,
         busy_s=busy,
         switches=[],
+        prefix_hit_tokens=engine.prefix_hit_tokens,
     )

@@ -134,6 +134,7 @@ def merge_shards(
         used_slot_steps=added("used_slot_steps"),
         busy_s=added("busy_s"),
         switches=switches,
+        prefix_hit_tokens=added("prefix_hit_tokens"),
     )
     seconds = sum(p.seconds for p in parts) + sum(w.seconds for w in warmups if w is not None)
     return Played(merged, timeline, seconds)

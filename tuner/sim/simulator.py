@@ -14,7 +14,10 @@ both. Every step
    blocks (`Workload.shared_blocks`) is taken from the prefix cache when
    present there (blocks are matched one by one, by their chained key);
 2. prefills what is not cached (a preempted request recomputes its prompt and
-   the tokens it had generated). Without a token budget a whole prompt is
+   the tokens it had generated, less the leading full blocks of its own still
+   cached: without a token budget the engine caches every full block, and a
+   preempted request's blocks stay cached like any released block, its first
+   block the most recently released). Without a token budget a whole prompt is
    computed in its admission step. With chunked prefill
    (`policy.max_num_batched_tokens`, as vLLM schedules it) a step computes at
    most that many tokens: one per running request, the rest for prompt chunks
@@ -97,7 +100,8 @@ class Run:
     `block_size` is the size the run started at. Times are seconds of trace
     time; `first_token_s` and `finish_s` are per workload row; slot-steps are
     token slots summed over steps; `kv_byte_s` integrates the KV bytes held over
-    time. `switches` lists (boundary, time, new size).
+    time. `switches` lists (boundary, time, new size). `prefix_hit_tokens` counts
+    the prompt tokens admissions found in the prefix cache (not computed).
     """
 
     block_size: int
@@ -115,6 +119,7 @@ class Run:
     used_slot_steps: int
     busy_s: float
     switches: list[tuple[int, float, int]]
+    prefix_hit_tokens: int = 0
 
     @property
     def end_s(self) -> float:
@@ -189,7 +194,7 @@ class _Server:
         self.sum_shared = 0
         self.table_blocks = 0  # sum over running requests of ceil(held / B)
         self.refs: dict[tuple[int, int], int] = {}  # prefix blocks held, with their refcounts
-        self.evictable: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self.evictable: OrderedDict[tuple, None] = OrderedDict()
         self.keys_of: dict[int, list[tuple[int, int]]] = {}
         self.waiting: deque[int] = deque()
         # (head of the queue, blocks it needs) after it did not fit; cleared when blocks free
@@ -197,7 +202,7 @@ class _Server:
         self.next_arrival = 0
         self.t = 0.0
         self.next_boundary = 1
-        self.counters = {"preemptions": 0, "swaps": 0, "alloc": 0, "used": 0}
+        self.counters = {"preemptions": 0, "swaps": 0, "alloc": 0, "used": 0, "hits": 0}
         self.peak_bytes = self.peak_blocks = 0
         self.kv_byte_s = self.busy_s = self.pause_s = 0.0
         self.prefill_tokens = 0  # prompt tokens computed in the coming step
@@ -265,6 +270,7 @@ class _Server:
             used_slot_steps=self.counters["used"],
             busy_s=self.busy_s,
             switches=self.switches,
+            prefix_hit_tokens=self.counters["hits"],
         )
 
     def _boundary_time(self) -> float:
@@ -293,12 +299,23 @@ class _Server:
         need = self.base_counts[-self.steps % self.block_size]
         return self.num_blocks - need - self._referenced()
 
-    def _evict_to_fit(self) -> None:
-        """Drop the least recently released cached blocks that no longer fit the pool (called
-        where some are cached)."""
-        spare = self.num_blocks - self._referenced()
+    def _evict_to_fit(self, spare: int) -> None:
+        """Drop the least recently released cached blocks beyond `spare` blocks (the pool
+        less the referenced ones, and at an admission less the running requests' blocks for
+        the step too: the engine takes those before it admits anyone)."""
+        spare = max(0, spare)
         while len(self.evictable) > spare:
             self.evictable.popitem(last=False)
+
+    def _cache_own_blocks(self, request: int, shared: int, written: int) -> None:
+        """Keep the full blocks of a released request's own `written` tokens (after its
+        `shared` prefix blocks) cached, released last to first, as the engine's prefix cache
+        does (only without a token budget: the engine caches no prefixes with chunked
+        prefill). Only a preempted request finds its own again; a finished one's are there
+        to be evicted in their turn."""
+        if self.token_budget is None:
+            for i in reversed(range(shared, written // self.block_size)):
+                self.evictable[_own_key(request, i)] = None
 
     def _release(self, request: int) -> None:
         self.blocked = None
@@ -338,6 +355,8 @@ class _Server:
         """Admit waiting requests that fit after the running ones' blocks for this step;
         their prefill time goes into this step. True if any was admitted."""
         size, w = self.block_size, self.w
+        if self.evictable:
+            self._evict_to_fit(self._spare())
         available = self._spare()
         if self.blocked and self.blocked[0] == self.waiting[0] and self.blocked[1] > available:
             return False
@@ -352,6 +371,12 @@ class _Server:
                 keys = w.prefix_keys(request, shared, size)
                 held_hits = sum(1 for k in keys if k in self.refs)
                 cached_hits = sum(1 for k in keys if k in self.evictable)
+            own_hits = 0
+            if self.token_budget is None and held_hits + cached_hits == shared:
+                while shared + own_hits < (held - 1) // size and (
+                    _own_key(request, shared + own_hits) in self.evictable
+                ):
+                    own_hits += 1
             blocks = blocks_for(held, size) - held_hits
             if blocks > available:
                 self.blocked = (request, blocks)
@@ -365,7 +390,11 @@ class _Server:
                 self.refs[key] = self.refs.get(key, 0) + 1
             if keys:
                 self.keys_of[request] = keys
-            compute = held - (held_hits + cached_hits) * size
+            if self.generated[request]:  # a preempted request's own blocks: taken or stale
+                for i in range(shared, (held - 1) // size):
+                    self.evictable.pop(_own_key(request, i), None)
+            compute = held - (held_hits + cached_hits + own_hits) * size
+            self.counters["hits"] += held - compute
             if self.token_budget is None:
                 prefill += compute
                 pairs += prefill_pairs(held - compute, compute)
@@ -378,7 +407,7 @@ class _Server:
             self.prefill_tokens, self.prefill_pairs = prefill, pairs
             self.prefill_chunks = len(joining)
         if self.evictable:
-            self._evict_to_fit()
+            self._evict_to_fit(self._spare())
         return bool(joining)
 
     def _join(self, joining: list[tuple[int, int, int]]) -> None:
@@ -466,6 +495,7 @@ class _Server:
         self.generated[request] = written + 1 - self.prompts[request]
         if request in self.joined:
             self.joined.remove(request)
+        self._cache_own_blocks(request, self.shared[index], written + 1)
         self._release(request)
         self._remove_at(index)
         self.waiting.appendleft(request)
@@ -536,26 +566,34 @@ class _Server:
         self.t = end
         self.table_blocks = table_blocks
         self.steps = steps + k
+        if self.evictable:  # the stretch's new blocks came from the cache where none was free
+            self._evict_to_fit(self.num_blocks - self._referenced())
         if k == first_finish:
             self._finish()
-        if self.evictable:
-            self._evict_to_fit()
 
     def _finish(self) -> None:
         """Free the requests that generated their last token in the step just run."""
         steps, t, last = self.steps, self.t, self.last
         if last.count(steps) == 1:  # the common case: one request finishes
             index = last.index(steps)
-            finished = [self.ids[index]]
+            finished = [(self.ids[index], self.shared[index])]
             self._remove_at(index)
         else:
             keep = [end != steps for end in last]
-            finished = [request for request, kept in zip(self.ids, keep, strict=True) if not kept]
+            finished = [
+                (request, shared)
+                for request, shared, kept in zip(self.ids, self.shared, keep, strict=True)
+                if not kept
+            ]
             self._remove(keep)
-        for request in finished:
+        for request, shared in finished:
             self.finish[request] = t
             self.generated[request] = self.outputs[request]
+            self._cache_own_blocks(
+                request, shared, self.prompts[request] + self.outputs[request] - 1
+            )
             self._release(request)
+        finished = [request for request, _ in finished]
         if self.controller is not None:
             rows = np.array(finished, dtype=np.int64)
             self.controller.observe(rows, np.full(len(finished), t))
@@ -616,3 +654,9 @@ class _Server:
         self.pause_s += pause
         self.counters["swaps"] += 1
         self.switches.append((boundary, self.t, new_size))
+
+
+def _own_key(request: int, index: int) -> tuple[str, int, int]:
+    """The prefix-cache key of block `index` of a preempted request's own tokens (distinct
+    from every shared prefix block's key)."""
+    return ("own", request, index)

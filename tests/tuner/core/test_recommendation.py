@@ -128,7 +128,7 @@ def test_recommend_on_the_azure_conversation_trace(capsys, policy_file):
     served = {b: c["sustained_tokens_per_s"] for b, c in costs.items()}
     assert max(served, key=served.get) in (32, 64) and served[16] < max(served.values())
     low, high = report["gain_interval"]
-    assert low < report["gain"] and low < high
+    assert low <= report["gain"] <= high and low < high  # resamples may tie the sample's gain
     assert report["material"] is (low > 0.02)
     for cost in costs.values():
         assert cost["capacity_interval"][0] <= cost["capacity"] <= cost["capacity_interval"][1]

@@ -49,13 +49,14 @@ def _server(num_blocks, block_size=8):
     return StepCostModel(policy, analytic_calibration(), fixed_step_s=STEP_S)
 
 
-def _engine(model, num_blocks, block_size=8):
+def _engine(model, num_blocks, block_size=8, prefix_caching=False):
     config = EngineConfig(
         block_size=block_size,
         num_blocks=num_blocks,
         max_num_seqs=64,
         max_model_len=512,
         candidate_block_sizes=(block_size,),
+        enable_prefix_caching=prefix_caching,
     )
     return Engine(model, config)
 
@@ -90,6 +91,21 @@ def test_engine_and_simulator_admit_and_preempt_alike_at_constant_step_times(mod
     np.testing.assert_array_equal(live.finish_s, run.finish_s)
     assert live.peak_blocks == run.peak_blocks == 14
     assert live.generated.tolist() == outputs.tolist()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_preempted_request_recomputes_only_what_its_cached_blocks_miss_on_both_sides(model, seed):
+    """With the prefix cache on, a preempted request's full blocks stay cached until evicted:
+    its readmission finds the same leading blocks in the engine and in the simulator."""
+    rng = np.random.default_rng(seed)
+    count = 16
+    arrivals = np.sort(rng.integers(0, 8, count)) * STEP_S
+    workload = _workload(arrivals, rng.integers(20, 60, count), rng.integers(10, 40, count))
+    live = serve_live(_engine(model, 24, prefix_caching=True), workload, step_s=STEP_S)
+    run = simulate(workload, _server(24), 8)
+    assert live.preemptions == run.preemptions > 0
+    assert live.prefix_hit_tokens == run.prefix_hit_tokens > 0
+    np.testing.assert_array_equal(live.finish_s, run.finish_s)
 
 
 def test_prompts_share_exactly_the_tokens_their_prefix_hashes_cover():
