@@ -21,7 +21,6 @@ at once: see there for what gathering costs as well as what it buys.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import queue
@@ -48,8 +47,6 @@ class Job:
     params: SamplingParams
     emit: Callable[[RequestOutput | Exception], None]
     request_id: int | None = None
-    events: asyncio.AbstractEventLoop | None = None
-    """The asyncio event loop that submitted it, if any (see the module's docstring)."""
 
 
 class EngineStepFailed(RuntimeError):
@@ -98,10 +95,9 @@ class EngineLoop:
         """Whether the engine thread is serving (started and not stopped)."""
         return self._thread.is_alive() and not self._stop.is_set()
 
-    def submit(self, prompt: list[int], params: SamplingParams, emit, events=None) -> Job:
-        """Queue a completion; `emit` gets its outputs (see `Job`). A caller on an asyncio
-        event loop passes it as `events`, so that an idle engine admits the burst it is part of."""
-        job = Job(prompt, params, emit, events=events)
+    def submit(self, prompt: list[int], params: SamplingParams, emit) -> Job:
+        """Queue a completion; `emit` gets its outputs (see `Job`)."""
+        job = Job(prompt, params, emit)
         self._inbox.put(job)
         self._wake.set()
         return job
@@ -168,7 +164,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         while not self._stop.is_set():
-            if self._drain_inbox()[0]:
+            if self._drain_inbox():
                 self._publish()
             with self._lock:
                 busy = self.engine.has_unfinished() or self.engine.has_pending_swaps()
@@ -190,19 +186,11 @@ class EngineLoop:
             self._publish()
 
     def _gather(self) -> None:
-        """Admit a burst that reaches an idle engine before its first step (for at most
-        `GATHER_LIMIT_S`): let the event loops that submitted new jobs run their ready
-        handlers, and wait while requests keep arriving `gather_s` apart."""
+        """Wait while requests keep arriving `gather_s` apart (at most `GATHER_LIMIT_S`),
+        so that the first step after an idle spell prefills the whole burst."""
         deadline = time.monotonic() + GATHER_LIMIT_S
-        while (left := deadline - time.monotonic()) > 0:
-            count, submitters = self._drain_inbox()
-            if count:
-                self._publish()
-            if submitters:
-                for events in submitters:
-                    _run_ready_handlers(events, left)
-                continue
-            if not self._gather_s or not self._wake.wait(min(self._gather_s, left)):
+        while self._gather_s and time.monotonic() < deadline:
+            if not self._wake.wait(min(self._gather_s, deadline - time.monotonic())):
                 return
             self._wake.clear()
 
@@ -223,19 +211,16 @@ class EngineLoop:
             outputs = []
         return outputs
 
-    def _drain_inbox(self) -> tuple[int, set[asyncio.AbstractEventLoop]]:
-        """Admit the new jobs and apply the cancellations: how many items there were, and the
-        event loops that submitted the jobs."""
-        count, submitters = 0, set()
+    def _drain_inbox(self) -> int:
+        """Admit the new jobs and apply the cancellations; how many items there were."""
+        count = 0
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return count, submitters
+                return count
             count += 1
             if isinstance(item, Job):
-                if item.events is not None:
-                    submitters.add(item.events)
                 try:
                     with self._lock:
                         item.request_id = self.engine.add_request(item.prompt, item.params)
@@ -257,14 +242,3 @@ class EngineLoop:
                     self.counters.completed += 1
                 else:
                     self.counters.cancelled += 1
-
-
-def _run_ready_handlers(events: asyncio.AbstractEventLoop, timeout_s: float) -> None:
-    """Return once `events` has run the callbacks it had ready now (at most `timeout_s`): a
-    callback scheduled from here runs after them. A closed loop has nothing left to run."""
-    done = threading.Event()
-    try:
-        events.call_soon_threadsafe(done.set)
-    except RuntimeError:
-        return
-    done.wait(timeout_s)

@@ -1,9 +1,7 @@
-"""The engine loop gathers a burst that reaches an idle engine into one first step: by a
-gap, and by letting the event loop that submitted it run its ready handlers."""
+"""The engine loop gathers a burst that reaches an idle engine into one first step."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -31,7 +29,7 @@ class FirstTokens:
         self.times: dict[int, float] = {}
         self.done = threading.Semaphore(0)
 
-    def submit(self, index: int, prompt: list[int], events=None) -> None:
+    def submit(self, index: int, prompt: list[int]) -> None:
         def emit(output) -> None:
             assert not isinstance(output, Exception), output
             if index not in self.steps:
@@ -40,7 +38,7 @@ class FirstTokens:
             if output.finished:
                 self.done.release()
 
-        self.loop.submit(prompt, PARAMS, emit, events)
+        self.loop.submit(prompt, PARAMS, emit)
 
     def wait(self, count: int) -> None:
         for _ in range(count):
@@ -103,56 +101,6 @@ def test_gathering_stops_at_its_limit_while_requests_keep_coming(model):
     assert count * gap / 2 > GATHER_LIMIT_S
     assert first.times[0] < submitted  # the first step started before the last arrival
     assert len(set(first.steps.values())) > 1
-
-
-def _handler_burst(loop: EngineLoop, *, hand_over: bool) -> FirstTokens:
-    """Four request handlers made ready together on an asyncio event loop, each taking 10 ms
-    of the loop before it submits (as an HTTP worker parses and tokenizes a burst)."""
-    events = asyncio.new_event_loop()
-    runner = threading.Thread(target=events.run_forever, daemon=True)
-    runner.start()
-    first = FirstTokens(loop)
-
-    async def handler(index: int) -> None:
-        time.sleep(0.01)  # holds the event loop, as a handler's parsing does
-        first.submit(index, [1 + index, 2, 3, 4, 5], events if hand_over else None)
-
-    def start_burst() -> None:
-        for i in range(4):
-            events.create_task(handler(i))
-
-    try:
-        events.call_soon_threadsafe(start_burst)
-        first.wait(4)
-    finally:
-        loop.stop()
-        events.call_soon_threadsafe(events.stop)
-        runner.join(timeout=5)
-        events.close()
-    return first
-
-
-def test_a_burst_its_event_loop_had_ready_is_prefilled_in_one_step_without_a_gap(model):
-    first = _handler_burst(_loop(model, gather_s=0.0), hand_over=True)
-    assert len(set(first.steps.values())) == 1, first.steps
-
-
-def test_a_burst_without_its_event_loop_starts_at_the_first_request(model):
-    first = _handler_burst(_loop(model, gather_s=0.0), hand_over=False)
-    assert first.steps[0] < first.steps[3], first.steps
-
-
-def test_a_job_from_a_closed_event_loop_is_served_at_once(model):
-    events = asyncio.new_event_loop()
-    events.close()
-    loop = _loop(model, gather_s=0.0)
-    try:
-        first = FirstTokens(loop)
-        first.submit(0, [1, 2, 3], events)
-        first.wait(1)
-    finally:
-        loop.stop()
-    assert first.steps[0] == 1
 
 
 def test_a_negative_gather_is_refused(model):

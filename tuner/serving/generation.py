@@ -62,8 +62,7 @@ class Generation:
             return emit
 
         self._jobs = [
-            loop.submit(prompt, params, emitter(i), events)
-            for i, (prompt, params) in enumerate(jobs)
+            loop.submit(prompt, params, emitter(i)) for i, (prompt, params) in enumerate(jobs)
         ]
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
