@@ -285,7 +285,7 @@ def _time_points(
             progress(f"engine steps: point {i + 1} of {len(points)} at block sizes {sizes}")
         turn = i % len(sizes)  # rotate which size goes first
         for block_size in sizes[turn:] + sizes[:turn]:
-            steps += [replace(s, point=i) for s in points[i](engines[block_size], grid, rng, timer)]
+            steps += points[i](engines[block_size], grid, rng, timer)
     return steps
 
 

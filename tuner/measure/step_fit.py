@@ -24,15 +24,9 @@ Then:
   or long. (Scaling to keep the rows' total time instead lets the few longest
   steps set the factor for all: a grid whose 4083-token prefills took 1.9 s,
   where the form priced them at 0.9 s, doubled every decode step's price.)
-- the spread: `SPREAD_QUANTILES` quantiles of the steps' noise (mean 1,
-  `EngineCalibration.step_spread`), of which the simulator draws one per step.
-  A step timed as one of a grid point's repeats (`TimedStep.point`) counts by
-  its measured / fitted over its point's mean of that ratio: how much the same
-  step varies, without where the form misprices the point, which is the same
-  at every repeat and not noise. (Drawn per step, a misfit of 0.84-1.24 turned
-  a few long prefills of a saturated SmolLM2 run into a lottery: its predicted
-  TPOT p50 moved by +0.8% to +19.4% over eight seeds, +4.0% without a spread.)
-  A step without a point counts by its measured / fitted.
+- the spread: `SPREAD_QUANTILES` quantiles of measured / fitted over all rows
+  (mean 1, `EngineCalibration.step_spread`), of which the simulator draws one
+  per step.
 """
 
 from __future__ import annotations
@@ -76,8 +70,6 @@ class TimedStep:
     padded_tokens: int = 0
     prefill_pairs: int = 0
     prompt_chunks: int = 0
-    point: int | None = None
-    """The grid point whose repeats this step is one of (at its block size), if any."""
 
     @property
     def features(self) -> dict[str, float]:
@@ -159,9 +151,7 @@ def fit_steps(steps: Iterable[TimedStep]) -> StepFit:
             rms_relative=float(np.sqrt(np.mean(relative**2))),
             max_relative=float(np.abs(relative).max()),
         )
-    spread = np.quantile(
-        _noise(rows, ratio), (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES
-    )
+    spread = np.quantile(ratio, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
     spread /= spread.mean()  # the quantiles' mean is the ratios' up to binning
     return StepFit(
         coefficients=coefficients,
@@ -170,19 +160,6 @@ def fit_steps(steps: Iterable[TimedStep]) -> StepFit:
         depends_on_block_size=depends,
         spread=tuple(float(q) for q in spread),
     )
-
-
-def _noise(rows: list[TimedStep], ratio: np.ndarray) -> np.ndarray:
-    """Each row's measured / fitted `ratio` over its grid point's mean ratio (at its block
-    size); the ratio itself for a row timed outside a point."""
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, row in enumerate(rows):
-        if row.point is not None:
-            groups.setdefault((row.point, row.block_size), []).append(i)
-    noise = ratio.copy()
-    for members in groups.values():
-        noise[members] = ratio[members] / ratio[members].mean()
-    return noise
 
 
 def _columns(sizes: list[int], *, per_size: bool) -> list[tuple[str, int | None]]:

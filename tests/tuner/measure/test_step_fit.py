@@ -122,25 +122,6 @@ def test_skewed_steps_take_their_fitted_time_on_average_and_record_their_spread(
     assert max(fit_steps([*steps, outlier]).spread) < 1.2 * spread[-1]
 
 
-def test_the_spread_is_the_noise_of_a_points_repeats_not_the_forms_misfit():
-    """Every step timed three times with 2% noise, and every other point mispriced by the
-    form, its repeats all 1.5 times the form's time: the misfit is the same at every repeat,
-    so the spread holds the 2% noise, where untagged steps would spread over the misfit."""
-    rng = np.random.default_rng(3)
-    tagged, untagged = [], []
-    for point, step in enumerate(_grid(8, TRUE[8])):
-        misfit = 1.5 if point % 2 else 1.0
-        for _ in range(3):
-            seconds = step.seconds * misfit * (1 + 0.02 * rng.standard_normal())
-            tagged.append(TimedStep(**{**step.__dict__, "seconds": seconds, "point": point}))
-            untagged.append(TimedStep(**{**step.__dict__, "seconds": seconds}))
-    noise = np.array(fit_steps(tagged).spread)
-    assert noise[0] > 0.94 and noise[-1] < 1.06
-    assert noise.mean() == pytest.approx(1.0)
-    misfit = np.array(fit_steps(untagged).spread)
-    assert misfit[-1] / misfit[0] > 1.3
-
-
 def _prefill(prompt, factor, coefficients):
     """One prompt of `prompt` tokens admitted alone, taking `factor` times what the form gives."""
     step = TimedStep(8, 1, prompt, prompt // 8, prompt, 1.0, prefill_pairs=prompt**2)
