@@ -495,7 +495,7 @@ class _Server:
         self.generated[request] = written + 1 - self.prompts[request]
         if request in self.joined:
             self.joined.remove(request)
-        self._cache_own_blocks(request, self.shared[index], written + 1)
+        self._cache_own_blocks(request, self.shared[index], written)
         self._release(request)
         self._remove_at(index)
         self.waiting.appendleft(request)
@@ -576,24 +576,26 @@ class _Server:
         steps, t, last = self.steps, self.t, self.last
         if last.count(steps) == 1:  # the common case: one request finishes
             index = last.index(steps)
-            finished = [(self.ids[index], self.shared[index])]
+            released = [(self.ids[index], self.shared[index])]
             self._remove_at(index)
         else:
             keep = [end != steps for end in last]
-            finished = [
+            released = [
                 (request, shared)
                 for request, shared, kept in zip(self.ids, self.shared, keep, strict=True)
                 if not kept
             ]
             self._remove(keep)
-        for request, shared in finished:
+        for request, shared in released:
             self.finish[request] = t
             self.generated[request] = self.outputs[request]
-            self._cache_own_blocks(
-                request, shared, self.prompts[request] + self.outputs[request] - 1
-            )
+            # With nothing cached, blocks released now are older than all that will be, and
+            # free blocks are taken first as the oldest cached ones would be: no need to key them.
+            if self.evictable:
+                written = self.prompts[request] + self.outputs[request] - 1
+                self._cache_own_blocks(request, shared, written)
             self._release(request)
-        finished = [request for request, _ in finished]
+        finished = [request for request, _ in released]
         if self.controller is not None:
             rows = np.array(finished, dtype=np.int64)
             self.controller.observe(rows, np.full(len(finished), t))
