@@ -22,7 +22,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["FusedProjections", "PackedLinear", "packs"]
+__all__ = ["MIN_PRODUCT_ROWS", "FusedProjections", "PackedLinear", "packs"]
+
+MIN_PRODUCT_ROWS = 3
+"""The fewest rows a packed product multiplies. With its weights streamed from memory (a
+decode step), oneDNN's kernels for one and two rows read them slower than its kernel for
+three: on an AVX-512 EPYC, one thread, 30 [3072, 576] float32 weights took 531 / 635 us
+each for 1 / 2 rows and 478 us for 3, and a SmolLM2 decode step of two requests 51 ms where
+one of three took 40 (bench/decode_batch_sizes.py, bench/results/engine_speed.md)."""
 
 
 def packs(weight: torch.Tensor) -> bool:
@@ -101,5 +108,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def multiply(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """`x [..., in]` times a packed weight: `[..., out]`."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    """`x [..., in]` times a packed weight: `[..., out]`.
+
+    Fewer than `MIN_PRODUCT_ROWS` rows are multiplied as that many, the rest zeros: a
+    decode step of one or two requests then reads the weights as fast as one of three."""
+    rows = x.numel() // x.shape[-1]
+    if rows == 0 or rows >= MIN_PRODUCT_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    padded = x.new_zeros(MIN_PRODUCT_ROWS, x.shape[-1])
+    padded[:rows] = x.reshape(rows, -1)
+    product = torch.ops.mkldnn._linear_pointwise(padded, packed, None, "none", [], "")
+    return product[:rows].view(*x.shape[:-1], -1)
