@@ -389,19 +389,24 @@ def causal_attention(
 @dataclass(frozen=True)
 class _ShortChunks:
     """The query rows of a step's short prefill chunks, laid out for the cpu kernel once
-    for every layer: each chunk's context slots as one table row (block size 1), and
-    per query row its table row and its context up to itself."""
+    for every layer: each chunk's sequence's blocks as one table row, and per query row
+    its table row and its context up to itself."""
 
     rows: slice | torch.Tensor  # the rows of q; a slice where they are consecutive
-    slots: torch.Tensor  # [chunks, longest context] int32
+    blocks: torch.Tensor  # [chunks, most blocks] int32
     table_rows: torch.Tensor  # [rows] int32
     lens: torch.Tensor  # [rows] int32
 
     @classmethod
     def of(
-        cls, chunks: Sequence[tuple[int, torch.Tensor]], first_row: int, device: torch.device
+        cls,
+        chunks: Sequence[tuple[int, torch.Tensor]],
+        first_row: int,
+        block_size: int,
+        device: torch.device,
     ) -> _ShortChunks | None:
-        """The short chunks among `chunks` (whose rows start at `first_row`), or None."""
+        """The short chunks among `chunks` (whose rows start at `first_row`; each
+        context's slots laid out in blocks of `block_size`), or None."""
         rows, table_rows, lens, contexts = [], [], [], []
         row = first_row
         for num_new, context in chunks:
@@ -409,20 +414,20 @@ class _ShortChunks:
                 rows.extend(range(row, row + num_new))
                 table_rows.extend([len(contexts)] * num_new)
                 lens.extend(range(len(context) - num_new + 1, len(context) + 1))
-                contexts.append(context)
+                contexts.append(context[::block_size] // block_size)
             row += num_new
         if not rows:
             return None
-        slots = torch.zeros(len(contexts), max(map(len, contexts)), dtype=torch.int32)
-        for index, context in enumerate(contexts):
-            slots[index, : len(context)] = context
+        blocks = torch.zeros(len(contexts), max(map(len, contexts)), dtype=torch.int32)
+        for index, context_blocks in enumerate(contexts):
+            blocks[index, : len(context_blocks)] = context_blocks
         consecutive = rows[-1] - rows[0] + 1 == len(rows)
         as_tensor = partial(torch.tensor, dtype=torch.int32, device=device)
         return cls(
             slice(rows[0], rows[-1] + 1)
             if consecutive
             else torch.tensor(rows, dtype=torch.long, device=device),
-            slots.to(device),
+            blocks.to(device),
             as_tensor(table_rows),
             as_tensor(lens),
         )
@@ -501,7 +506,9 @@ class LlamaModel(nn.Module):
         layout = None  # every layer reads the same blocks: lay them out once
         if num_decodes and backend != "triton" and not c_kernel:
             layout = decode_layout(kv.k[0], block_table, context_lens, block_size=block_size)
-        short = _ShortChunks.of(chunks, num_decodes, token_ids.device) if c_kernel else None
+        short = (
+            _ShortChunks.of(chunks, num_decodes, block_size, token_ids.device) if c_kernel else None
+        )
 
         def decode_attention(q, keys, values, layer):
             return paged_attention(
@@ -531,9 +538,9 @@ class LlamaModel(nn.Module):
                     q[short.rows],
                     keys,
                     values,
-                    short.slots,
+                    short.blocks,
                     short.lens,
-                    block_size=1,
+                    block_size=block_size,
                     scale=self.scale,
                     table_rows=short.table_rows,
                 )
