@@ -22,14 +22,27 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["MIN_PRODUCT_ROWS", "FusedProjections", "PackedLinear", "packs"]
+__all__ = [
+    "MIN_PRODUCT_ROWS",
+    "STREAMED_WEIGHT_BYTES",
+    "FusedProjections",
+    "PackedLinear",
+    "packs",
+]
 
 MIN_PRODUCT_ROWS = 3
-"""The fewest rows a packed product multiplies. With its weights streamed from memory (a
-decode step), oneDNN's kernels for one and two rows read them slower than its kernel for
-three: on an AVX-512 EPYC, one thread, 30 [3072, 576] float32 weights took 531 / 635 us
-each for 1 / 2 rows and 478 us for 3, and a SmolLM2 decode step of two requests 51 ms where
-one of three took 40 (bench/decode_batch_sizes.py, bench/results/engine_speed.md)."""
+"""The fewest rows a product by a weight of `STREAMED_WEIGHT_BYTES` or more multiplies. With
+its weights streamed from memory (a decode step), oneDNN's kernels for one and two rows read
+them slower than its kernel for three: on an AVX-512 EPYC, one thread, 30 [3072, 576]
+float32 weights took 531 / 635 us each for 1 / 2 rows and 478 us for 3, and a SmolLM2
+decode step of two requests 51 ms where one of three took 40 (bench/decode_batch_sizes.py,
+bench/results/engine_speed.md)."""
+
+STREAMED_WEIGHT_BYTES = 512 * 2**10
+"""The smallest weight whose products are padded to `MIN_PRODUCT_ROWS`: a model of weights
+this large does not stay in the caches from one step to the next. The products of smaller
+weights (a tiny test model's) are read from the cache, where one or two rows are as fast as
+three and padding is only overhead (18% of a tiny model's decode step)."""
 
 
 def packs(weight: torch.Tensor) -> bool:
@@ -110,10 +123,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def multiply(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """`x [..., in]` times a packed weight: `[..., out]`.
 
-    Fewer than `MIN_PRODUCT_ROWS` rows are multiplied as that many, the rest zeros: a
-    decode step of one or two requests then reads the weights as fast as one of three."""
+    A weight of `STREAMED_WEIGHT_BYTES` or more multiplies fewer than `MIN_PRODUCT_ROWS` rows
+    as that many, the rest zeros: a decode step of one or two requests then reads the weights
+    as fast as one of three."""
     rows = x.numel() // x.shape[-1]
-    if rows == 0 or rows >= MIN_PRODUCT_ROWS:
+    if (
+        rows == 0
+        or rows >= MIN_PRODUCT_ROWS
+        or packed.shape.numel() * packed.element_size() < STREAMED_WEIGHT_BYTES
+    ):
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     padded = x.new_zeros(MIN_PRODUCT_ROWS, x.shape[-1])
     padded[:rows] = x.reshape(rows, -1)

@@ -4,7 +4,8 @@ packed again when a weight changes."""
 import pytest
 import torch
 
-from blocktune.runtime.linear import MIN_PRODUCT_ROWS, FusedProjections, PackedLinear, packs
+from blocktune.runtime import linear
+from blocktune.runtime.linear import FusedProjections, PackedLinear, packs
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 0.0)])
@@ -24,12 +25,17 @@ def test_packed_products_equal_linear_and_follow_weight_changes(dtype, atol):
         torch.testing.assert_close(layer(x), x @ replacement.T, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("streamed_bytes", [0, None])  # every weight padded; the default
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 2, 24), (0, 24)])
-def test_products_of_fewer_rows_than_the_kernels_minimum_are_those_rows_alone(shape):
+def test_products_of_fewer_rows_than_the_kernels_minimum_are_those_rows_alone(
+    shape, streamed_bytes, monkeypatch
+):
+    if streamed_bytes is not None:
+        monkeypatch.setattr(linear, "STREAMED_WEIGHT_BYTES", streamed_bytes)
     generator = torch.Generator().manual_seed(2)
     layer = PackedLinear(24, 40)
     x = torch.randn(shape, generator=generator)
-    assert x.numel() // 24 < MIN_PRODUCT_ROWS
+    assert x.numel() // 24 < linear.MIN_PRODUCT_ROWS
     with torch.inference_mode():
         out = layer(x)
     assert out.shape == (*shape[:-1], 40)
