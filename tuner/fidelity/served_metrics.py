@@ -13,6 +13,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from blocktune.tuner.sim.simulator import Run
+    from blocktune.tuner.sim.step_cost import StepCostModel
     from blocktune.tuner.sim.workload import Workload
 
 __all__ = ["HIGHER_IS_BETTER", "METRICS", "ServedMetrics"]
@@ -44,6 +45,41 @@ class ServedMetrics:
             **{key: getattr(times, key) for key in METRICS[:5]},
             peak_kv_blocks=float(run.peak_blocks),
             preemptions=float(run.preemptions),
+        )
+
+    @classmethod
+    def predicted(
+        cls, workload: Workload, server: StepCostModel, block_size: int, *, seed: int = 0
+    ) -> ServedMetrics:
+        """The simulator's prediction for `workload` at `block_size`: tokens/s, the p50s, the
+        peak blocks and the preemptions of a run at the fitted step times, the p99s of a run
+        whose every step is scaled by a factor drawn from the calibration's step spread
+        (`seed`); one run where the calibration has no spread.
+
+        The spread is a distribution over all the grid's steps, so it widens the tails as
+        the live steps do; but drawn per step it also moves which requests decode while a
+        long prompt is computed, which the central figures of a saturated run follow (see
+        docs/architecture.md)."""
+        from dataclasses import replace
+
+        from blocktune.tuner.sim.simulator import simulate
+
+        central = cls.of(
+            workload, simulate(workload, replace(server, sample_spread=False), block_size)
+        )
+        if not server.step_spread:
+            return central
+        tail = cls.of(workload, simulate(workload, server, block_size, seed=seed))
+        return replace(central, ttft_p99_s=tail.ttft_p99_s, tpot_p99_s=tail.tpot_p99_s)
+
+    @staticmethod
+    def prediction_method(server: StepCostModel, seed: int = 0) -> str:
+        """How `predicted` prices the steps of `server`, in words."""
+        if not server.step_spread:
+            return "every step at its fitted time"
+        return (
+            "tokens/s, p50s, peak KV and preemptions at the fitted step times; p99s with "
+            f"each step scaled by a factor drawn from the calibration's step spread (seed {seed})"
         )
 
     @classmethod

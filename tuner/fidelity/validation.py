@@ -257,8 +257,7 @@ def validate(
     predicted = {}
     for block_size in sizes:
         progress(f"B={block_size}: simulating")
-        run = simulate(kept, server, block_size, seed=seed)
-        predicted[block_size] = ServedMetrics.of(kept, run)
+        predicted[block_size] = ServedMetrics.predicted(kept, server, block_size, seed=seed)
     # Run i of every size before run i + 1 of any: drift of the machine shows as run-to-run
     # noise rather than as a difference between block sizes.
     order = [b for _ in range(runs) for b in sizes]
@@ -274,9 +273,7 @@ def validate(
     for b in sizes:
         runs_of_b = tuple(m for size, m in zip(order, measured, strict=True) if size == b)
         progress(f"B={b}: the prediction's sensitivity to the step time")
-        sensitivity = step_sensitivity(
-            kept, server, b, predicted[b], ServedMetrics.mean(runs_of_b), seed=seed
-        )
+        sensitivity = step_sensitivity(kept, server, b, predicted[b], ServedMetrics.mean(runs_of_b))
         checks.append(BlockSizeCheck(b, predicted[b], runs_of_b, sensitivity))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
     setup = {
@@ -287,6 +284,7 @@ def validate(
             calibration.engine.block_size_verdict() if calibration.engine is not None else None
         ),
         "runs": runs,
+        "prediction": ServedMetrics.prediction_method(server, seed),
     }
     return Validation(trace=trace, setup=setup, checks=checks)
 
@@ -316,18 +314,16 @@ def step_sensitivity(
     block_size: int,
     predicted: ServedMetrics,
     measured: ServedMetrics,
-    *,
-    seed: int = 0,
 ) -> StepSensitivity:
-    """The `StepSensitivity` of `predicted` (the simulation of `workload` on `server` at
-    `block_size` with `seed`) against `measured`."""
+    """The `StepSensitivity` of `predicted` (`ServedMetrics.predicted` for `workload` on
+    `server` at `block_size`) against `measured`: its TPOT p50 comes from the run at the
+    fitted step times, so the scaled runs are priced at theirs."""
 
     def tpot_p50(scale: float) -> float:
         if scale == 1:
             return predicted.tpot_p50_s
-        scaled = replace(server, step_scale=server.step_scale * scale)
-        run = simulate(workload, scaled, block_size, seed=seed)
-        return ServedMetrics.of(workload, run).tpot_p50_s
+        scaled = replace(server, step_scale=server.step_scale * scale, sample_spread=False)
+        return ServedMetrics.of(workload, simulate(workload, scaled, block_size)).tpot_p50_s
 
     base = predicted.tpot_p50_s
     change = tpot_p50(SENSITIVITY_SCALE) / base - 1 if base > 0 else math.nan

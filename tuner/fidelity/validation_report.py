@@ -124,6 +124,8 @@ def format_validation_table(validation: Validation) -> str:
                 f"{size:>4}  {label:<9}"
                 + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
             )
+    if "prediction" in validation.setup:
+        lines.append(f"predicted: {validation.setup['prediction']}")
     lines += format_sensitivity(validation)
     one_run = max(len(c.measured_runs) for c in validation.checks) < 2
     lines += [format_ranking(r, one_run=one_run) for r in validation.rankings]

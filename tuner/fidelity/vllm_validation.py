@@ -38,7 +38,6 @@ from blocktune.tuner.fidelity.validation import BlockSizeCheck, Validation, step
 from blocktune.tuner.measure.vllm_measure import VllmClient
 from blocktune.tuner.measure.vllm_server import VllmServer
 from blocktune.tuner.sim.forecast import ServingMetrics
-from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
 
@@ -193,7 +192,7 @@ def validate_vllm(
     checks, vllm_blocks = [], {}
     for block_size in served.candidates:
         progress(f"B={block_size}: simulating")
-        predicted = ServedMetrics.of(kept, simulate(kept, server, block_size, seed=seed))
+        predicted = ServedMetrics.predicted(kept, server, block_size, seed=seed)
         progress(f"B={block_size}: starting vLLM")
         log_file = log_folder / f"vllm-validate-b{block_size}.log"
         measured = []
@@ -212,7 +211,7 @@ def validate_vllm(
                 pool.close()
             vllm_blocks[block_size] = pool.num_blocks
         mean = ServedMetrics.mean(tuple(measured))
-        sensitivity = step_sensitivity(kept, server, block_size, predicted, mean, seed=seed)
+        sensitivity = step_sensitivity(kept, server, block_size, predicted, mean)
         checks.append(BlockSizeCheck(block_size, predicted, tuple(measured), sensitivity))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
     setup = {
@@ -222,6 +221,7 @@ def validate_vllm(
         "calibration": calibration.describe(),
         "block_size_effect": calibration.engine.block_size_verdict(),
         "runs": runs,
+        "prediction": ServedMetrics.prediction_method(server, seed),
         "engine": "vllm",
     }
     return Validation(trace=trace, setup=setup, checks=checks)

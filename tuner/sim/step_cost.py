@@ -44,13 +44,16 @@ class StepCostModel:
     """The pool and step costs of a deployment (`policy`) on a device (`calibration`).
 
     `fixed_step_s` replaces the calibrated step time by a constant (every other
-    term zero), to compare with a stepped replay such as `blocktune demo`.
+    term zero), to compare with a stepped replay such as `blocktune demo`;
+    `sample_spread` False prices every step at its fitted time (no factor drawn from
+    the calibration's `step_spread`).
     """
 
     policy: Policy
     calibration: Calibration
     fixed_step_s: float | None = None
     step_scale: float = 1.0
+    sample_spread: bool = True
 
     def __post_init__(self) -> None:
         if self.fixed_step_s is not None and not self.fixed_step_s > 0:
@@ -109,9 +112,10 @@ class StepCostModel:
     @property
     def step_spread(self) -> tuple[float, ...]:
         """Quantiles of measured / fitted step time (mean 1), of which the simulator draws one
-        per step as a factor: the engine calibration's, none for a derived or fixed step."""
+        per step as a factor: the engine calibration's, none for a derived or fixed step or
+        without `sample_spread`."""
         engine = self.calibration.engine
-        if self.fixed_step_s is not None or engine is None:
+        if self.fixed_step_s is not None or engine is None or not self.sample_spread:
             return ()
         return engine.step_spread
 

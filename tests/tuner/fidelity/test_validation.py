@@ -302,3 +302,68 @@ def test_the_pool_validate_serves_from_is_the_policy_budget_in_whole_blocks_of_e
     policy = _server(num_blocks=25, block_size=4).policy
     assert pool_slots(policy, model, analytic_calibration(), (8, 16)) == 96
     assert pool_slots(policy, model, analytic_calibration(), (8, 16, 64)) == 64
+
+
+def _calibrated_server(spread: tuple[float, ...]) -> StepCostModel:
+    """A SmolLM2-shaped deployment whose engine steps cost 10 ms plus 2 ms a request and
+    1 ms per 100 prompt tokens, with `spread` as the calibration's step spread."""
+    from blocktune.tuner.config.calibration import (
+        EngineCalibration,
+        EngineModel,
+        FitResiduals,
+        Provenance,
+        StepCoefficients,
+    )
+    from blocktune.tuner.fidelity.vllm_validation import served_shape
+
+    model = EngineModel(
+        name="smollm2", num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
+        num_kv_heads=3, head_dim=64, vocab_size=49152, dtype="float32",
+    )  # fmt: skip
+    steps = StepCoefficients(
+        fixed_s=0.01, per_block_s=0.0, per_token_s=0.0, per_sequence_s=0.002,
+        prefill_s_per_token=1e-5,
+    )  # fmt: skip
+    provenance = Provenance(kind="measured", device="cpu", date="2026-12-06", torch="x", grid={})
+    engine = EngineCalibration(
+        provenance=provenance,
+        model=model,
+        threads=1,
+        steps={16: steps},
+        residuals={16: FitResiduals(points=1, rms_relative=0, max_relative=0)},
+        step_spread=spread,
+    )
+    calibration = analytic_calibration().model_copy(update={"provenance": provenance})
+    policy = Policy(
+        deployment="smol", model=served_shape(model), kv_budget="64MiB", candidates=(16,)
+    )
+    return StepCostModel(policy, calibration.with_engine(engine))
+
+
+def test_a_prediction_takes_its_central_figures_at_the_fitted_times_and_its_tails_sampled():
+    """With a step spread, the p50s, tokens/s, peak and preemptions are those of the run at
+    the fitted step times, the p99s those of the run that draws each step's factor."""
+    from dataclasses import replace
+
+    rng = np.random.default_rng(4)
+    workload = _workload(np.sort(rng.uniform(0, 3, 40)), rng.integers(10, 300, 40), [20] * 40)
+    server = _calibrated_server((0.5, 0.7, 0.9, 1.0, 1.3, 1.6))
+    fitted = ServedMetrics.of(
+        workload, simulate(workload, replace(server, sample_spread=False), 16)
+    )
+    sampled = ServedMetrics.of(workload, simulate(workload, server, 16, seed=3))
+    # The two runs differ in every figure compared, so the test tells which run each is from.
+    assert fitted.tpot_p50_s != sampled.tpot_p50_s and fitted.tpot_p99_s != sampled.tpot_p99_s
+    assert fitted.ttft_p99_s != sampled.ttft_p99_s and fitted.tokens_per_s != sampled.tokens_per_s
+    predicted = ServedMetrics.predicted(workload, server, 16, seed=3)
+    assert predicted == replace(
+        fitted, ttft_p99_s=sampled.ttft_p99_s, tpot_p99_s=sampled.tpot_p99_s
+    )
+    # Without a spread the two runs are one: the prediction is the fitted run's.
+    plain = _calibrated_server(())
+    assert ServedMetrics.predicted(workload, plain, 16) == ServedMetrics.of(
+        workload, simulate(workload, plain, 16)
+    )
+    assert ServedMetrics.predicted(workload, plain, 16) == fitted
+    assert ServedMetrics.prediction_method(plain) == "every step at its fitted time"
+    assert ServedMetrics.prediction_method(server, 3).endswith("step spread (seed 3)")
