@@ -18,6 +18,7 @@ three small ones, its result the layers' outputs side by side.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ __all__ = [
     "FusedProjections",
     "PackedLinear",
     "packs",
+    "pads_few_rows",
 ]
 
 MIN_PRODUCT_ROWS = 3
@@ -43,6 +45,14 @@ STREAMED_WEIGHT_BYTES = 512 * 2**10
 this large does not stay in the caches from one step to the next. The products of smaller
 weights (a tiny test model's) are read from the cache, where one or two rows are as fast as
 three and padding is only overhead (18% of a tiny model's decode step)."""
+
+
+@cache
+def pads_few_rows() -> bool:
+    """Whether this CPU multiplies products of fewer than `MIN_PRODUCT_ROWS` rows as that many:
+    where torch's CPU capability is AVX-512. On an AVX2 EPYC the padding made SmolLM2 decode
+    steps of one / two requests 1.24x / 1.15x as long (bench/results/engine_speed.md)."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
 def packs(weight: torch.Tensor) -> bool:
@@ -123,13 +133,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def multiply(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     """`x [..., in]` times a packed weight: `[..., out]`.
 
-    A weight of `STREAMED_WEIGHT_BYTES` or more multiplies fewer than `MIN_PRODUCT_ROWS` rows
-    as that many, the rest zeros: a decode step of one or two requests then reads the weights
-    as fast as one of three."""
+    On a CPU that `pads_few_rows`, a weight of `STREAMED_WEIGHT_BYTES` or more multiplies
+    fewer than `MIN_PRODUCT_ROWS` rows as that many, the rest zeros: a decode step of one or
+    two requests then reads the weights as fast as one of three."""
     rows = x.numel() // x.shape[-1]
     if (
         rows == 0
         or rows >= MIN_PRODUCT_ROWS
+        or not pads_few_rows()
         or packed.shape.numel() * packed.element_size() < STREAMED_WEIGHT_BYTES
     ):
         return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")

@@ -25,11 +25,13 @@ def test_packed_products_equal_linear_and_follow_weight_changes(dtype, atol):
         torch.testing.assert_close(layer(x), x @ replacement.T, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("pads", [True, False])  # the AVX-512 path and the others
 @pytest.mark.parametrize("streamed_bytes", [0, None])  # every weight padded; the default
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 2, 24), (0, 24)])
 def test_products_of_fewer_rows_than_the_kernels_minimum_are_those_rows_alone(
-    shape, streamed_bytes, monkeypatch
+    shape, streamed_bytes, pads, monkeypatch
 ):
+    monkeypatch.setattr(linear, "pads_few_rows", lambda: pads)
     if streamed_bytes is not None:
         monkeypatch.setattr(linear, "STREAMED_WEIGHT_BYTES", streamed_bytes)
     generator = torch.Generator().manual_seed(2)
