@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
     from blocktune.tuner.config.calibration import Calibration
     from blocktune.tuner.config.policy import Policy
-    from blocktune.tuner.fidelity.validation import Validation
+    from blocktune.tuner.fidelity.validation import InterleavedGrid, Validation
     from blocktune.tuner.sim.workload import Workload
 
 __all__ = ["register"]
@@ -52,8 +52,9 @@ def run_validate(args: argparse.Namespace) -> int:
     time) and on the simulator, for each block size; print predicted and measured tokens/s,
     TTFT and TPOT p50/p99, peak KV blocks and preemptions with their relative errors, and
     how both rank the block sizes by tokens/s, TPOT p50 and TTFT p99. Without --calibration
-    an engine calibration is measured first, its prefill grid reaching the trace's longest
-    prompt; on a CPU, steps are timed by the CPU clock with one thread by default. With
+    an engine calibration is measured between the live runs' steps (each run times a share of
+    its grid as it goes, so both see the machine alike), its prefill grid reaching the trace's
+    longest prompt; on a CPU, steps are timed by the CPU clock with one thread by default. With
     --engine vllm the live side is a vLLM server per block size, sent the requests at their
     arrival times, and --calibration must be one `calibrate --engine vllm` wrote."""
     if args.engine == "vllm":
@@ -77,10 +78,10 @@ def run_validate(args: argparse.Namespace) -> int:
         workload = Workload.from_frame(frame.sort_values("arrival_s").head(args.requests))
         model, name = load_shaped_model_from_args(args, device=args.device)
         block_sizes = tuple(args.block_sizes or policy.candidates)
-        calibration = _engine_calibration(
+        calibration, interleave = _engine_calibration(
             args, policy, calibration, model, name, block_sizes, workload, progress
         )
-        clock = calibration.engine.clock
+        clock = calibration.engine.clock if interleave is None else interleave.clock
         if clock == "wall" and args.device == "cpu":
             print(
                 "warning: the wall clock times the steps on a CPU: the load of other processes "
@@ -91,8 +92,6 @@ def run_validate(args: argparse.Namespace) -> int:
         if args.json != "-":
             print(f"trace: {label}, first {len(workload)} requests")
             print(f"model: {name}; policy: {policy.deployment}, KV budget {policy.kv_budget}")
-            print(f"calibration: {calibration.describe()}", flush=True)
-            print(f"calibration: {calibration.engine.block_size_verdict()}", flush=True)
         validation = validate(
             workload,
             policy,
@@ -102,6 +101,7 @@ def run_validate(args: argparse.Namespace) -> int:
             runs=args.runs,
             seed=args.seed,
             jobs=args.jobs,
+            interleave=interleave,
             progress=progress,
         )
     except ValueError as error:  # every bad input: policy, trace, model, calibration
@@ -114,7 +114,12 @@ def run_validate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
-    return _report(validation, label, args)
+    setup = validation.setup
+    calibration_lines = (
+        f"calibration: {setup['calibration']}",
+        f"calibration: {setup['block_size_effect']}",
+    )
+    return _report(validation, label, args, preface=calibration_lines)
 
 
 def run_vllm_validate(args: argparse.Namespace) -> int:
@@ -206,19 +211,20 @@ def _engine_calibration(
     block_sizes: tuple[int, ...],
     workload: Workload,
     progress: Callable[[str], None],
-) -> Calibration:
-    """The calibration given (it must have an engine section), or one measured now on the
-    default grid fitted to the workload's lengths (those the policy's pool holds) and to the
-    pool (`grid_for_pool`); torch uses the calibration's threads
-    unless --threads says otherwise."""
+) -> tuple[Calibration, InterleavedGrid | None]:
+    """The calibration given (it must have an engine section) and None; or a kernel
+    calibration measured now and the grid of its engine section, for `validate` to time
+    between the live runs' steps: the default grid fitted to the workload's lengths (those
+    the policy's pool holds) and to the pool (`grid_for_pool`). torch uses the
+    calibration's threads unless --threads says otherwise."""
     from blocktune.tuner.cli._common import set_threads
     from blocktune.tuner.config.calibration import CalibrationError
-    from blocktune.tuner.fidelity.validation import pool_slots
+    from blocktune.tuner.fidelity.validation import InterleavedGrid, pool_slots
     from blocktune.tuner.measure.engine_measure import (
         default_engine_grid,
         grid_for_lengths,
         grid_for_pool,
-        measure_engine_calibration,
+        measure_model_kernels,
     )
 
     if args.calibration is not None:
@@ -237,7 +243,7 @@ def _engine_calibration(
                 "(`blocktune calibrate --engine --trace` fits the grid to a trace)",
                 file=sys.stderr,
             )
-        return calibration
+        return calibration, None
     set_threads(args.threads)
     pool = pool_slots(policy, model, calibration, block_sizes)
     grid = grid_for_lengths(
@@ -248,20 +254,12 @@ def _engine_calibration(
     )
     grid = grid_for_pool(grid, model, pool)
     progress(
-        f"measuring an engine calibration first ({args.clock} clock, prefill chunks "
-        f"{list(grid.prefill_chunks)}, contexts {list(grid.context_lens)})"
+        f"an engine calibration measured between the live runs' steps ({args.clock} clock, "
+        f"prefill chunks {list(grid.prefill_chunks)}, contexts {list(grid.context_lens)})"
     )
     # The comparison prices steps by the engine section alone: the kernel part's quick grid.
-    return measure_engine_calibration(
-        model,
-        name,
-        grid,
-        quick=True,
-        clock=args.clock,
-        seed=args.seed,
-        jobs=args.jobs,
-        progress=progress,
-    )
+    kernels = measure_model_kernels(model, name, grid, quick=True, progress=progress)
+    return kernels, InterleavedGrid(grid, name, args.clock)
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -6,7 +6,9 @@ by a constant `step_s` for a deterministic run; while the engine is idle
 it jumps to the next arrival. Before every step, the requests whose arrival the
 clock has reached are added, in arrival order. A request's first token and its
 finish take the clock's time at the end of the step that produced them, as in
-the simulator.
+the simulator. `between`, if given, is called after every step, outside its
+timing, with the fraction of the workload's output tokens generated so far
+(`blocktune validate` times its calibration's grid points there).
 
 Each request is greedy, ignores EOS and generates exactly its output tokens.
 Its prompt is seeded random token ids of its length, except that the tokens
@@ -57,6 +59,7 @@ def serve_live(
     step_s: float | None = None,
     timer: Callable[[], float] = time.perf_counter,
     seed: int = 0,
+    between: Callable[[float], None] | None = None,
 ) -> Run:
     """Serve every request of `workload` on `engine` (see the module docstring)."""
     from blocktune.runtime.engine import SamplingParams
@@ -69,6 +72,7 @@ def serve_live(
     clock = busy = kv_byte_s = 0.0
     arrived = steps = allocated_slot_steps = used_slot_steps = 0
     slot_bytes = engine.kv.nbytes // engine.kv.num_slots
+    total_outputs, generated_so_far = max(1, int(workload.output_tokens.sum())), 0
     while arrived < n or engine.has_unfinished():
         while arrived < n and arrivals[arrived] <= clock:
             outputs = int(workload.output_tokens[arrived])
@@ -96,6 +100,9 @@ def serve_live(
             if output.finished:
                 finish[row] = clock
                 generated[row] = len(output.token_ids)
+        generated_so_far += len(outputs)
+        if between is not None:
+            between(min(1.0, generated_so_far / total_outputs))
     return Run(
         block_size=engine.block_size,
         first_token_s=first,

@@ -6,6 +6,16 @@ For every block size B, `validate` serves the workload on the live engine
 pool: the policy's KV budget in whole blocks of B, for the live model's shape
 (the policy's `model` section is replaced by it), priced by the calibration.
 The live steps are timed with the clock of the calibration's engine section.
+Given an `InterleavedGrid` instead of a calibration's engine section,
+`validate` measures that section itself, during the live runs: the grid's
+points are shared out to the live runs, and each run times its share between
+its steps, as far through its share as it is through its output tokens
+(`tuner.measure.engine_measure.GridTimer`); the steps are fitted once every run
+is done, and only then is anything predicted. On a shared machine, whose speed
+swings by tens of percent within seconds (the CPU clock does not take that
+out: bench/results/2026-12-07-calibration-fidelity.md), a calibration timed
+before the live runs prices them at the speed of its own half minute; timed
+between their steps, it sees the machine as they do.
 The engine takes the policy's batch limits (`max_num_seqs`, and
 `max_num_batched_tokens` for chunked prefill), as the simulator does; prefix
 caching is on unless prefills are chunked (the engine cannot combine the two,
@@ -50,7 +60,9 @@ from blocktune.tuner.config.calibration import Calibration
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.live import serve_live
 from blocktune.tuner.fidelity.served_metrics import HIGHER_IS_BETTER, ServedMetrics
+from blocktune.tuner.measure.engine_measure import EngineGrid
 from blocktune.tuner.measure.processes import map_in_processes
+from blocktune.tuner.measure.step_fit import TimedStep
 from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
@@ -61,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = [
     "RANK_METRICS",
     "BlockSizeCheck",
+    "InterleavedGrid",
     "Ranking",
     "StepSensitivity",
     "Validation",
@@ -83,6 +96,16 @@ MATCHING_SCALE_RANGE = (0.25, 4.0)
 """The step-time scales searched for the one at which the predicted TPOT p50 is measured."""
 MATCHING_SCALE_TOLERANCE = 0.01
 """The bisection stops when the scale is known within this fraction."""
+
+
+@dataclass(frozen=True)
+class InterleavedGrid:
+    """An engine calibration for `validate` to measure between the live runs' steps (module
+    docstring): the grid, the name of the model it records, and the clock that times both."""
+
+    grid: EngineGrid
+    model_name: str
+    clock: str
 
 
 @dataclass(frozen=True)
@@ -148,11 +171,12 @@ class Ranking:
 @dataclass(frozen=True)
 class Validation:
     """Every block size's check on one workload, and how both sides rank them by each of
-    `RANK_METRICS`."""
+    `RANK_METRICS`; `calibration`, where known, is the one that priced the predictions."""
 
     trace: dict
     setup: dict
     checks: list[BlockSizeCheck]
+    calibration: Calibration | None = None
 
     def ranking(self, side: str, metric: str) -> list[int]:
         """Block sizes best first by `metric`, as `side` ("predicted" or "measured") has it."""
@@ -227,6 +251,7 @@ def validate(
     step_s: float | None = None,
     seed: int = 0,
     jobs: int = 1,
+    interleave: InterleavedGrid | None = None,
     progress: Callable[[str], None] = lambda _: None,
 ) -> Validation:
     """Serve `workload` live `runs` times and simulated once per block size (module doc).
@@ -234,47 +259,86 @@ def validate(
 
     `step_s` replaces both sides' step times by a constant (a deterministic comparison
     of their scheduling). `jobs` worker processes serve the live runs at once (1: here,
-    one after another). Raises `CalibrationError` for a calibration that cannot price
-    the model or a block size."""
+    one after another). With `interleave`, the calibration's engine section is measured
+    between the live runs' steps (and replaces any it has). Raises `CalibrationError` for
+    a calibration that cannot price the model or a block size."""
     import torch
 
-    from blocktune.tuner.measure.engine_measure import check_clock
+    from blocktune.tuner.measure.engine_measure import (
+        check_clock,
+        check_grid,
+        describe_fit,
+        fitted_engine_calibration,
+    )
 
     if runs < 1:
         raise ValueError(f"need runs >= 1, got {runs}")
     if policy.engine != "blocktune":
         raise ValueError(f"the live side is blocktune's engine; the policy models {policy.engine}")
     calibration.require(block_sizes)
-    clock = calibration.engine.clock if calibration.engine is not None else "wall"
-    check_clock(clock, model)
+    if interleave is not None:
+        clock = interleave.clock
+        check_grid(interleave.grid, model, clock)
+    else:
+        clock = calibration.engine.clock if calibration.engine is not None else "wall"
+        check_clock(clock, model)
     served = _served_policy(policy, model, block_sizes)
-    server = StepCostModel(served, calibration, step_s)
     limit = min(
         model.config.max_position_embeddings, pool_slots(policy, model, calibration, block_sizes)
     )
     kept = workload.without_longer_than(limit)
     sizes = served.candidates
-    predicted = {}
-    for block_size in sizes:
-        progress(f"B={block_size}: simulating")
-        predicted[block_size] = ServedMetrics.predicted(kept, server, block_size, seed=seed)
     # Run i of every size before run i + 1 of any: drift of the machine shows as run-to-run
     # noise rather than as a difference between block sizes.
     order = [b for _ in range(runs) for b in sizes]
-    progress(f"{len(order)} live runs, {runs} per block size, in {jobs} process(es)")
-    measured = map_in_processes(
-        partial(_live_run, model, server, kept, step_s, clock, seed),
-        order,
+    tasks = [
+        _LiveTask(b, None if interleave is None else (i, len(order))) for i, b in enumerate(order)
+    ]
+    grid = None if interleave is None else interleave.grid
+    backend = calibration.provenance.backend
+    where = "" if grid is None else f", timing {grid.num_points} grid points between their steps"
+    progress(f"{len(order)} live runs, {runs} per block size, in {jobs} process(es){where}")
+    served_runs = map_in_processes(
+        partial(
+            _live_run,
+            model,
+            StepCostModel(served, calibration),
+            kept,
+            step_s,
+            clock,
+            seed,
+            grid,
+            backend,
+        ),
+        tasks,
         jobs=jobs,
         threads=torch.get_num_threads(),
         done=lambda finished, total: progress(f"live run {finished} of {total} done"),
     )
+    measured = [metrics for metrics, _ in served_runs]
+    if interleave is not None:
+        steps = [step for _, timed in served_runs for step in timed]
+        engine = fitted_engine_calibration(
+            model,
+            interleave.model_name,
+            interleave.grid,
+            backend,
+            steps,
+            clock=clock,
+            how=f"between the steps of {len(order)} live runs in {jobs} process(es)",
+        )
+        for line in describe_fit(engine):
+            progress(line)
+        calibration = calibration.with_engine(engine)
+    server = StepCostModel(served, calibration, step_s)
     checks = []
     for b in sizes:
+        progress(f"B={b}: simulating")
+        predicted = ServedMetrics.predicted(kept, server, b, seed=seed)
         runs_of_b = tuple(m for size, m in zip(order, measured, strict=True) if size == b)
         progress(f"B={b}: the prediction's sensitivity to the step time")
-        sensitivity = step_sensitivity(kept, server, b, predicted[b], ServedMetrics.mean(runs_of_b))
-        checks.append(BlockSizeCheck(b, predicted[b], runs_of_b, sensitivity))
+        sensitivity = step_sensitivity(kept, server, b, predicted, ServedMetrics.mean(runs_of_b))
+        checks.append(BlockSizeCheck(b, predicted, runs_of_b, sensitivity))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
     setup = {
         "kv_budget_bytes": int(served.kv_budget),
@@ -286,7 +350,7 @@ def validate(
         "runs": runs,
         "prediction": ServedMetrics.prediction_method(server, seed),
     }
-    return Validation(trace=trace, setup=setup, checks=checks)
+    return Validation(trace=trace, setup=setup, checks=checks, calibration=calibration)
 
 
 def pool_slots(
@@ -345,6 +409,15 @@ def _matching_scale(tpot_p50: Callable[[float], float], target: float) -> float 
     return math.sqrt(low * high)
 
 
+@dataclass(frozen=True)
+class _LiveTask:
+    """One live run: its block size and, where the calibration is measured between its
+    steps, its share of the grid's points (its number and how many runs share them)."""
+
+    block_size: int
+    grid_share: tuple[int, int] | None
+
+
 def _live_run(
     model: LlamaModel,
     server: StepCostModel,
@@ -352,16 +425,32 @@ def _live_run(
     step_s: float | None,
     clock: str,
     seed: int,
-    block_size: int,
-) -> ServedMetrics:
-    """One live run of `workload` at `block_size`; its engine and pool are freed on return."""
-    from blocktune.tuner.measure.engine_measure import STEP_CLOCKS
+    grid: EngineGrid | None,
+    backend: str,
+    task: _LiveTask,
+) -> tuple[ServedMetrics, list[TimedStep]]:
+    """One live run of `workload` at the task's block size, timing its share of `grid`'s
+    points between its steps; its engines and pools are freed on return."""
+    from blocktune.tuner.measure.engine_measure import STEP_CLOCKS, GridTimer
 
-    engine = _engine(model, server, block_size, workload)
-    live = serve_live(engine, workload, step_s=step_s, timer=STEP_CLOCKS[clock], seed=seed)
+    timer = None
+    if grid is not None and task.grid_share is not None:
+        number, sharers = task.grid_share
+        share = (number, range(number, grid.num_points, sharers))
+        timer = GridTimer(model, grid, backend, clock, seed, share)
+    engine = _engine(model, server, task.block_size, workload)
+    live = serve_live(
+        engine,
+        workload,
+        step_s=step_s,
+        timer=STEP_CLOCKS[clock],
+        seed=seed,
+        between=None if timer is None else timer.time_until,
+    )
     del engine  # free this pool before the next one is allocated
+    steps = [] if timer is None else timer.close()
     gc.collect()
-    return ServedMetrics.of(workload, live)
+    return ServedMetrics.of(workload, live), steps
 
 
 def _engine(model: LlamaModel, server: StepCostModel, block_size: int, workload: Workload):

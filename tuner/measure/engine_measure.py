@@ -38,7 +38,7 @@ torch is imported inside the functions, so importing this module is cheap.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING
@@ -66,13 +66,17 @@ __all__ = [
     "GRID_POINT_KV_BYTES",
     "STEP_CLOCKS",
     "EngineGrid",
+    "GridTimer",
+    "check_grid",
     "default_engine_grid",
     "describe_fit",
     "engine_model",
+    "fitted_engine_calibration",
     "grid_for_lengths",
     "grid_for_pool",
     "measure_engine",
     "measure_engine_calibration",
+    "measure_model_kernels",
     "model_shape",
 ]
 
@@ -125,6 +129,11 @@ class EngineGrid:
     def holds(self, tokens: int) -> bool:
         """Whether requests holding `tokens` tokens together stay within `held_tokens`."""
         return self.held_tokens is None or tokens <= self.held_tokens
+
+    @property
+    def num_points(self) -> int:
+        """How many points the grid times (each at every block size)."""
+        return len(_points(self))
 
     @property
     def admission_points(self) -> list[tuple[int, int]]:
@@ -221,14 +230,8 @@ def measure_engine(
     `jobs` above 1, the points are shared out to that many processes (`map_in_processes`)."""
     import torch
 
-    check_clock(clock, model)
-    limit = model.config.max_position_embeddings
-    if grid.longest >= limit:
-        raise ValueError(
-            f"the grid's requests hold up to {grid.longest} tokens, the model has {limit} "
-            "positions (one more is needed): use shorter context_lens and prefill_chunks"
-        )
-    count = len(_points(grid))
+    check_grid(grid, model, clock)
+    count = grid.num_points
     if jobs == 1:
         steps = _time_points(model, grid, backend, clock, seed, (0, range(count)), progress)
     else:
@@ -243,6 +246,36 @@ def measure_engine(
             done=lambda finished, total: progress(f"engine steps: {finished} of {total} timed"),
         )
         steps = [step for share in timed for step in share]
+    return fitted_engine_calibration(
+        model, name, grid, backend, steps, clock=clock, how=f"in {jobs} process(es) at once"
+    )
+
+
+def check_grid(grid: EngineGrid, model: LlamaModel, clock: str) -> None:
+    """Raise `ValueError` unless `model`'s steps over `grid` can be timed by `clock`."""
+    check_clock(clock, model)
+    limit = model.config.max_position_embeddings
+    if grid.longest >= limit:
+        raise ValueError(
+            f"the grid's requests hold up to {grid.longest} tokens, the model has {limit} "
+            "positions (one more is needed): use shorter context_lens and prefill_chunks"
+        )
+
+
+def fitted_engine_calibration(
+    model: LlamaModel,
+    name: str,
+    grid: EngineGrid,
+    backend: str,
+    steps: list[TimedStep],
+    *,
+    clock: str,
+    how: str,
+) -> EngineCalibration:
+    """The engine calibration of `steps` timed over `grid` (`how` says when and where, for
+    the provenance), fitted jointly across the block sizes."""
+    import torch
+
     fit = fit_steps(steps)
     return fit.engine_calibration(
         measured_provenance(
@@ -250,14 +283,67 @@ def measure_engine(
             backend,
             grid,
             "measured by `blocktune calibrate --engine` (grid points round-robin over the "
-            f"block sizes, in {jobs} process(es) at once); fitted jointly by non-negative "
-            "least squares of the relative error, scaled so that measured / fitted is 1 on "
-            f"average: {STEP_FORM}",
+            f"block sizes, {how}); fitted jointly by non-negative least squares of the "
+            f"relative error, scaled so that measured / fitted is 1 on average: {STEP_FORM}",
         ),
         engine_model(model, name),
         threads=torch.get_num_threads(),
         clock=clock,
     )
+
+
+class GridTimer:
+    """Times a share of a grid's points, one at a time when asked: each point at every block
+    size, round-robin (the order of the sizes rotating from point to point), on one warmed-up
+    engine per size. `blocktune validate` times its points between a live run's steps, so the
+    calibration sees the machine as the live runs do; `_time_points` times them in a row."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        grid: EngineGrid,
+        backend: str,
+        clock: str,
+        seed: int,
+        share: tuple[int, Sequence[int]],
+    ) -> None:
+        worker, indices = share
+        self.grid = grid
+        self.steps: list[TimedStep] = []
+        self._rng = np.random.default_rng([seed, worker])
+        self._timer = STEP_CLOCKS[clock]
+        self._points = _points(grid)
+        self._pending = list(indices)
+        self._count = len(self._pending)
+        self._engines = {b: _engine(model, grid, b, backend) for b in grid.block_sizes}
+        for engine in self._engines.values():
+            _warm_up(engine, self._rng)
+
+    @property
+    def timed(self) -> int:
+        """Points of the share timed so far."""
+        return self._count - len(self._pending)
+
+    def time_until(self, fraction: float) -> None:
+        """Time points until at least `fraction` (0 to 1) of the share is timed."""
+        while self._pending and self.timed < fraction * self._count:
+            self.time_next()
+
+    def time_next(self) -> None:
+        """Time the share's next point at every block size."""
+        index = self._pending.pop(0)
+        sizes = list(self.grid.block_sizes)
+        turn = index % len(sizes)  # rotate which size goes first
+        for block_size in sizes[turn:] + sizes[:turn]:
+            self.steps += self._points[index](
+                self._engines[block_size], self.grid, self._rng, self._timer
+            )
+
+    def close(self) -> list[TimedStep]:
+        """Time what is left of the share, free the engines; the timed steps."""
+        self.time_until(1.0)
+        self._engines.clear()
+        return self.steps
 
 
 def _time_points(
@@ -266,27 +352,18 @@ def _time_points(
     backend: str,
     clock: str,
     seed: int,
-    share: tuple[int, range],
+    share: tuple[int, Sequence[int]],
     progress: Callable[[str], None] = lambda _: None,
 ) -> list[TimedStep]:
     """Time the grid's points of `share` (a worker's number and the indices of its points)
-    at every block size, round-robin: one engine per size, warmed up first."""
-    worker, indices = share
-    rng = np.random.default_rng([seed, worker])
-    timer = STEP_CLOCKS[clock]
-    engines = {b: _engine(model, grid, b, backend) for b in grid.block_sizes}
-    for engine in engines.values():
-        _warm_up(engine, rng)
-    points = _points(grid)
-    steps: list[TimedStep] = []
-    sizes = list(grid.block_sizes)
-    for n, i in enumerate(indices):
+    in a row (`GridTimer`)."""
+    timer = GridTimer(model, grid, backend, clock, seed, share)
+    total, sizes = grid.num_points, list(grid.block_sizes)
+    for n, index in enumerate(share[1]):
         if n % 10 == 0:
-            progress(f"engine steps: point {i + 1} of {len(points)} at block sizes {sizes}")
-        turn = i % len(sizes)  # rotate which size goes first
-        for block_size in sizes[turn:] + sizes[:turn]:
-            steps += points[i](engines[block_size], grid, rng, timer)
-    return steps
+            progress(f"engine steps: point {index + 1} of {total} at block sizes {sizes}")
+        timer.time_next()
+    return timer.close()
 
 
 def check_clock(clock: str, model: LlamaModel) -> None:
@@ -318,6 +395,32 @@ def measure_engine_calibration(
     one) on the model's device for its attention shape and dtype, with the model's engine
     steps timed over `grid` and fitted (in `jobs` processes)."""
     check_clock(clock, model)
+    calibration = measure_model_kernels(model, name, grid, quick=quick, progress=progress)
+    engine = measure_engine(
+        model,
+        name,
+        grid,
+        calibration.provenance.backend,
+        clock=clock,
+        seed=seed,
+        jobs=jobs,
+        progress=progress,
+    )
+    for line in describe_fit(engine):
+        progress(line)
+    return calibration.with_engine(engine)
+
+
+def measure_model_kernels(
+    model: LlamaModel,
+    name: str,
+    grid: EngineGrid,
+    *,
+    quick: bool,
+    progress: Callable[[str], None] = lambda _: None,
+) -> Calibration:
+    """The kernel calibration (its `quick` grid or the full one) on `model`'s device for its
+    attention shape and dtype, at `grid`'s block sizes: an engine calibration's first part."""
     device = model.device.type
     shape = engine_model(model, name)
     kernel_grid = replace(
@@ -327,14 +430,7 @@ def measure_engine_calibration(
         head_dim=shape.head_dim,
         dtype=shape.dtype,
     )
-    calibration = measure_calibration(kernel_grid, device, progress=progress)
-    backend = calibration.provenance.backend
-    engine = measure_engine(
-        model, name, grid, backend, clock=clock, seed=seed, jobs=jobs, progress=progress
-    )
-    for line in describe_fit(engine):
-        progress(line)
-    return calibration.with_engine(engine)
+    return measure_calibration(kernel_grid, device, progress=progress)
 
 
 def describe_fit(engine: EngineCalibration) -> list[str]:

@@ -223,7 +223,7 @@ def test_live_runs_go_round_robin_over_the_block_sizes(model, monkeypatch):
     real = validation._live_run
 
     def recording(*args):
-        served.append(args[-1])
+        served.append(args[-1].block_size)
         return real(*args)
 
     monkeypatch.setattr(validation, "_live_run", recording)
@@ -367,3 +367,72 @@ def test_a_prediction_takes_its_central_figures_at_the_fitted_times_and_its_tail
     assert ServedMetrics.predicted(workload, plain, 16) == fitted
     assert ServedMetrics.prediction_method(plain) == "every step at its fitted time"
     assert ServedMetrics.prediction_method(server, 3).endswith("step spread (seed 3)")
+
+
+def test_serve_live_reports_its_progress_through_the_output_tokens_after_every_step(model):
+    workload = _workload([0.0, 0.0, 1.0], [5, 9, 4], [3, 4, 2])
+    seen = []
+    run = serve_live(_engine(model, 64), workload, step_s=STEP_S, between=seen.append)
+    assert len(seen) == run.steps
+    assert seen == sorted(seen)  # never backwards
+    assert seen[-1] == 1.0
+    # Two requests decode together from the start: two of nine tokens after the first step.
+    assert seen[0] == pytest.approx(2 / 9)
+
+
+def test_an_interleaved_grid_is_timed_between_the_live_runs_steps_and_prices_the_prediction(
+    model, monkeypatch
+):
+    """validate measures the engine section itself: every grid point once, shared out to
+    the live runs, each share timed as its run goes (not before it, not all after it)."""
+    from blocktune.runtime import engine as engine_module
+    from blocktune.tuner.fidelity import validation
+    from blocktune.tuner.measure import engine_measure
+
+    events = []
+    real_step, real_time_next = engine_module.Engine.step, engine_measure.GridTimer.time_next
+    live_engines = set()
+    real_engine = validation._engine
+
+    def live_engine(*args):
+        engine = real_engine(*args)
+        live_engines.add(id(engine))
+        return engine
+
+    def step(self):
+        if id(self) in live_engines:
+            events.append("step")
+        return real_step(self)
+
+    def time_next(self):
+        events.append("point")
+        return real_time_next(self)
+
+    monkeypatch.setattr(validation, "_engine", live_engine)
+    monkeypatch.setattr(engine_module.Engine, "step", step)
+    monkeypatch.setattr(engine_measure.GridTimer, "time_next", time_next)
+    grid = engine_measure.default_engine_grid(quick=True, block_sizes=(8, 16))
+    rng = np.random.default_rng(2)
+    workload = _workload(np.sort(rng.uniform(0, 1, 8)), rng.integers(4, 30, 8), [20] * 8)
+    result = validation.validate(
+        workload,
+        _two_sizes(),
+        model,
+        analytic_calibration(),
+        (8, 16),
+        runs=2,
+        interleave=validation.InterleavedGrid(grid, "tiny-random", "wall"),
+    )
+    assert events.count("point") == grid.num_points
+    # Each of the four runs times its share while it serves: points between two steps.
+    between = [
+        i for i in range(1, len(events) - 1) if events[i - 1 : i + 2] == ["step", "point", "step"]
+    ]
+    assert len(between) >= 4
+    engine = result.calibration.engine
+    assert engine.clock == "wall"
+    assert "between the steps of 4 live runs" in engine.provenance.notes
+    timed = grid.num_points * grid.repeats  # every point once at each size
+    assert {b: r.points for b, r in engine.residuals.items()} == {8: timed, 16: timed}
+    assert result.setup["calibration"] == result.calibration.describe()
+    assert result.setup["block_size_effect"] == engine.block_size_verdict()

@@ -315,3 +315,23 @@ def test_a_held_grid_runs_every_point_on_a_pool_of_its_size():
     steps = engine_measure._time_points(model, grid, "torch", "wall", 0, (0, range(count)))
     assert len(steps) == count * grid.repeats
     assert max(step.context_tokens for step in steps) <= 200
+
+
+def test_a_grid_timer_times_its_share_as_far_as_it_is_asked_and_the_rest_when_closed():
+    from blocktune.runtime.loading import load_weights
+    from blocktune.tuner.measure import engine_measure
+
+    model = load_weights("tiny-random", seed=0)
+    grid = engine_measure.default_engine_grid(quick=True, block_sizes=(8, 16))
+    share = range(1, grid.num_points, 2)
+    timer = engine_measure.GridTimer(model, grid, "torch", "wall", 0, (1, share))
+    assert timer.timed == 0
+    timer.time_until(0.5)
+    assert timer.timed == -(-len(share) // 2)  # half of the share, rounded up
+    timer.time_until(0.5)  # asked again: nothing more
+    assert timer.timed == -(-len(share) // 2)
+    steps = timer.close()
+    assert timer.timed == len(share)
+    # Every point of the share at both sizes, `repeats` steps each.
+    assert len(steps) == len(share) * 2 * grid.repeats
+    assert {s.block_size for s in steps} == {8, 16}
