@@ -325,7 +325,10 @@ def validate(
             backend,
             steps,
             clock=clock,
-            how=f"between the steps of {len(order)} live runs in {jobs} process(es)",
+            how=(
+                f"by `blocktune validate`, between the steps of {len(order)} live runs in "
+                f"{jobs} process(es)"
+            ),
         )
         for line in describe_fit(engine):
             progress(line)

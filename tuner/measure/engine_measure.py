@@ -247,7 +247,13 @@ def measure_engine(
         )
         steps = [step for share in timed for step in share]
     return fitted_engine_calibration(
-        model, name, grid, backend, steps, clock=clock, how=f"in {jobs} process(es) at once"
+        model,
+        name,
+        grid,
+        backend,
+        steps,
+        clock=clock,
+        how=f"by `blocktune calibrate --engine`, in {jobs} process(es) at once",
     )
 
 
@@ -272,8 +278,8 @@ def fitted_engine_calibration(
     clock: str,
     how: str,
 ) -> EngineCalibration:
-    """The engine calibration of `steps` timed over `grid` (`how` says when and where, for
-    the provenance), fitted jointly across the block sizes."""
+    """The engine calibration of `steps` timed over `grid` (`how` says by what, when and
+    where, for the provenance), fitted jointly across the block sizes."""
     import torch
 
     fit = fit_steps(steps)
@@ -282,9 +288,9 @@ def fitted_engine_calibration(
             model.device.type,
             backend,
             grid,
-            "measured by `blocktune calibrate --engine` (grid points round-robin over the "
-            f"block sizes, {how}); fitted jointly by non-negative least squares of the "
-            f"relative error, scaled so that measured / fitted is 1 on average: {STEP_FORM}",
+            f"measured {how} (grid points round-robin over the block sizes); fitted jointly "
+            "by non-negative least squares of the relative error, scaled so that measured / "
+            f"fitted is 1 on average: {STEP_FORM}",
         ),
         engine_model(model, name),
         threads=torch.get_num_threads(),
