@@ -152,8 +152,10 @@ class BlockSizeCheck:
 class Ranking:
     """How both sides order the block sizes by one metric: the orders (best first), the
     pairs whose measured values differ beyond the noise, and how many of them the prediction
-    orders the same way (a predicted tie on such a pair is not the same way). `agreement` is
-    None when no pair was compared. The texts show the orders with "=" between equal values."""
+    orders the same way (a predicted tie on such a pair is not the same way; `predicted_ties`
+    counts those ties: sizes the calibration prices alike that the live runs set apart).
+    `agreement` is None when no pair was compared. The texts show the orders with "="
+    between equal values."""
 
     metric: str
     predicted: list[int]
@@ -162,6 +164,7 @@ class Ranking:
     agreeing: int
     predicted_text: str = ""
     measured_text: str = ""
+    predicted_ties: int = 0
 
     @property
     def agreement(self) -> bool | None:
@@ -209,6 +212,7 @@ class Validation:
             == np.sign(getattr(a.measured, metric) - getattr(b.measured, metric))
             for a, b in pairs
         )
+        ties = sum(getattr(a.predicted, metric) == getattr(b.predicted, metric) for a, b in pairs)
         return Ranking(
             metric,
             self.ranking("predicted", metric),
@@ -217,6 +221,7 @@ class Validation:
             agreeing=int(agreeing),
             predicted_text=self._order_text("predicted", metric),
             measured_text=self._order_text("measured", metric),
+            predicted_ties=int(ties),
         )
 
     def _order_text(self, side: str, metric: str) -> str:

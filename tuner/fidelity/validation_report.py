@@ -6,7 +6,8 @@ The JSON object is ``{"trace", "setup", "results", "rankings",
 plus ``measured_runs``, ``relative_error`` and ``noise`` per metric.
 ``rankings`` has per metric of `RANK_METRICS` both orders (``predicted``,
 ``measured``, best first), ``compared_pairs`` (pairs beyond the noise),
-``agreeing_pairs`` and ``agreement`` (null when no pair was compared). Each
+``agreeing_pairs``, ``predicted_ties`` (compared pairs the prediction prices
+alike) and ``agreement`` (null when no pair was compared). Each
 result also has ``step_sensitivity``: ``tpot_p50_change`` (the predicted TPOT
 p50's relative change with every step `SENSITIVITY_SCALE` times as long) and
 ``matching_step_scale`` (the step-time scale at which the predicted TPOT p50 is
@@ -81,6 +82,7 @@ def validation_dict(validation: Validation) -> dict:
                     "measured": r.measured,
                     "compared_pairs": r.compared,
                     "agreeing_pairs": r.agreeing,
+                    "predicted_ties": r.predicted_ties,
                     "agreement": r.agreement,
                 }
                 for r in validation.rankings
@@ -190,6 +192,11 @@ def format_ranking(ranking: Ranking, *, one_run: bool = False) -> str:
     )
     if ranking.compared:
         verdict = f"{ranking.agreeing} of {ranking.compared} pair(s) {beyond} ordered alike"
+        if ranking.predicted_ties:
+            verdict += (
+                f" ({ranking.predicted_ties} of them predicted equal: the calibration prices "
+                "those sizes alike, the live runs set them apart)"
+            )
     else:
         verdict = f"no pair compared: no two block sizes differ {beyond}"
     return f"ranking by {name}, best first: predicted {predicted}, measured {measured}: {verdict}"

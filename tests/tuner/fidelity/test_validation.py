@@ -174,7 +174,16 @@ def test_a_predicted_tie_shows_as_one_and_does_not_order_a_pair_alike():
     tpot = Validation(trace={}, setup={}, checks=checks).rank("tpot_p50_s")
     assert (tpot.predicted_text, tpot.measured_text) == ("8=16=64", "8=16 64")
     assert (tpot.compared, tpot.agreeing, tpot.agreement) == (2, 0, False)
-    assert "predicted 8=16=64, measured 8=16 64: 0 of 2 pair(s)" in format_ranking(tpot)
+    assert tpot.predicted_ties == 2
+    line = format_ranking(tpot)
+    assert "predicted 8=16=64, measured 8=16 64: 0 of 2 pair(s)" in line
+    assert "(2 of them predicted equal: the calibration prices those sizes alike" in line
+    assert (
+        validation_dict(Validation(trace={}, setup={}, checks=checks))["rankings"]["tpot_p50_s"][
+            "predicted_ties"
+        ]
+        == 2
+    )
 
 
 def test_each_ranking_metric_counts_its_own_pairs():
@@ -201,9 +210,11 @@ def test_each_ranking_metric_counts_its_own_pairs():
         "measured": [8, 16, 64],
         "compared_pairs": 2,
         "agreeing_pairs": 0,
+        "predicted_ties": 0,
         "agreement": False,
     }
     assert "2 of 2 pair(s) beyond the run-to-run noise ordered alike" in format_ranking(tpot)
+    assert "predicted equal" not in format_ranking(tpot)
 
 
 def _two_sizes():

@@ -29,7 +29,7 @@ def test_validate_says_a_worker_was_lost_and_what_to_try(monkeypatch, capsys):
 
     engine = SimpleNamespace(clock="cpu", block_size_verdict=lambda: "")
     calibration = SimpleNamespace(engine=engine, describe=lambda: "a calibration")
-    monkeypatch.setattr(validate_command, "_engine_calibration", lambda *args: calibration)
+    monkeypatch.setattr(validate_command, "_engine_calibration", lambda *args: (calibration, None))
     monkeypatch.setattr(validation, "validate", lost)
     assert main(["validate", "--requests", "5", "--model", "tiny-random"]) == 1
     err = capsys.readouterr().err
