@@ -7,7 +7,14 @@ here (bench/results/engine_speed.md). `PackedLinear` keeps the ordinary weight (
 state dicts, tied embeddings and other devices) and packs a copy the first time it
 runs without autograd, so the weights take twice their memory; a new weight (a
 `load_state_dict`, an in-place change, another device or dtype) is packed again. On a
-GPU, in float16 and wherever oneDNN lacks the dtype it is a plain `nn.Linear`.
+GPU, in float16 and without oneDNN it is a plain `nn.Linear`.
+
+A bfloat16 weight on a CPU whose oneDNN has no bfloat16 kernels (no AVX-512) is packed
+as float32 and its products computed in float32 from the bfloat16 input, then rounded to
+bfloat16 once: what a bfloat16 product that sums in float32 computes (both factors are
+exact in float32), at float32's speed where torch's own bfloat16 product on such a CPU
+is 4-10x slower (see `packed_dtype`). Its packed copy takes twice the weight's memory
+again.
 
 `FusedProjections` multiplies several such layers that read the same input (a layer's
 query, key and value projections; its gate and up projections) as one product through
@@ -29,6 +36,7 @@ __all__ = [
     "FusedProjections",
     "PackedLinear",
     "packs",
+    "packed_dtype",
     "pads_few_rows",
 ]
 
@@ -57,11 +65,22 @@ def pads_few_rows() -> bool:
 
 def packs(weight: torch.Tensor) -> bool:
     """Whether `PackedLinear` multiplies `weight` through a oneDNN-packed copy."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return weight.dtype == torch.float32
+    return (
+        weight.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and weight.dtype in (torch.float32, torch.bfloat16)
+    )
+
+
+def packed_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a packed weight of `dtype` is stored and multiplied in: float32 for a
+    bfloat16 weight where oneDNN has no bfloat16 kernels (torch's CPU capability below
+    AVX-512), else `dtype`. On an AVX2 EPYC, one thread, a [1536, 576] bfloat16 weight times
+    8 / 47 rows took 1.87 / 12.2 ms through torch's bfloat16 product and 0.44 / 1.17 ms
+    through a float32 copy (bench/results/engine_speed.md)."""
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return dtype
 
 
 class PackedLinear(nn.Linear):
@@ -126,16 +145,21 @@ def weight_key(weight: torch.Tensor) -> tuple:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A oneDNN-packed copy of `weight [out, in]`."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    """A oneDNN-packed copy of `weight [out, in]`, in `packed_dtype`."""
+    return torch.ops.mkldnn._reorder_linear_weight(
+        weight.detach().to(packed_dtype(weight.dtype)), None
+    )
 
 
 def multiply(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """`x [..., in]` times a packed weight: `[..., out]`.
+    """`x [..., in]` times a packed weight: `[..., out]`, in `x`'s dtype (computed in the
+    packed weight's).
 
     On a CPU that `pads_few_rows`, a weight of `STREAMED_WEIGHT_BYTES` or more multiplies
     fewer than `MIN_PRODUCT_ROWS` rows as that many, the rest zeros: a decode step of one or
     two requests then reads the weights as fast as one of three."""
+    if x.dtype != packed.dtype:
+        return multiply(x.to(packed.dtype), packed).to(x.dtype)
     rows = x.numel() // x.shape[-1]
     if (
         rows == 0

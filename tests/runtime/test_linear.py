@@ -25,6 +25,28 @@ def test_packed_products_equal_linear_and_follow_weight_changes(dtype, atol):
         torch.testing.assert_close(layer(x), x @ replacement.T, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_bfloat16_weight_packed_as_float32_multiplies_in_float32_and_rounds_once(
+    fused, monkeypatch
+):
+    """Where oneDNN has no bfloat16 kernels, the product of a bfloat16 input and weight is their
+    float32 product rounded to bfloat16, and the packed copy is float32."""
+    monkeypatch.setattr(linear, "packed_dtype", lambda dtype: torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    layers = [PackedLinear(64, n).to(torch.bfloat16) for n in (40, 24)]
+    product = FusedProjections(layers) if fused else layers[0]
+    weight = torch.cat([layer.weight for layer in layers]) if fused else layers[0].weight
+    x = torch.randn(7, 64, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        out = product(x)
+    assert out.dtype == torch.bfloat16
+    assert product._packed.dtype == torch.float32
+    expected = (x.float() @ weight.detach().float().T).to(torch.bfloat16)
+    # float32 sums in another order may round the other way: at most one bfloat16 step apart.
+    torch.testing.assert_close(out, expected, atol=0, rtol=2**-7)
+    assert (out == expected).float().mean() > 0.95
+
+
 @pytest.mark.parametrize("pads", [True, False])  # the AVX-512 path and the others
 @pytest.mark.parametrize("streamed_bytes", [0, None])  # every weight padded; the default
 @pytest.mark.parametrize("shape", [(1, 24), (2, 24), (1, 2, 24), (0, 24)])
