@@ -3,14 +3,14 @@
 Serves the first `--requests` requests of TRACE (default: the embedded
 customer-service day) on the live engine with a virtual clock, `--runs` times
 per block size, and replays them on the simulator with an engine calibration
-(`--calibration FILE`, or one measured first on a grid fitted to the trace's
-lengths: prefill chunks up to its longest prompt, decode contexts up to its
-longest request). On a CPU device it times steps by the timing thread's CPU
-time with one torch thread unless told otherwise. Prints the predicted and
+(`--calibration FILE`, or one timed between the live runs' steps on a grid fitted
+to the trace's lengths: prefill chunks up to its longest prompt, decode contexts
+up to its longest request). On a CPU device it times steps by the timing thread's
+CPU time with one torch thread unless told otherwise. Prints the predicted and
 measured metrics with their relative errors, the run-to-run noise and, by
 tokens/s, TPOT p50 and TTFT p99, how many pairs of block sizes beyond the
-noise both order alike; `--json FILE` writes the same as JSON (``-`` prints
-it instead of the table).
+noise (a t-test at 95% on the runs' pooled deviation) both order alike;
+`--json FILE` writes the same as JSON (``-`` prints it instead of the table).
 """
 
 from __future__ import annotations

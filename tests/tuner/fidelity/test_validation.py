@@ -141,7 +141,9 @@ def test_rankings_compare_only_block_sizes_apart_beyond_the_run_to_run_noise():
         _check(32, (120,), (110,), (111,)),
     ]
     validation = Validation(trace={}, setup={}, checks=checks)
-    assert validation.noise("tokens_per_s") == 2
+    # Squares about each size's mean: 1 + 1, 0, 0.25 + 0.25 over 3 degrees of freedom.
+    deviation, freedom = validation.noise("tokens_per_s")
+    assert (deviation, freedom) == (pytest.approx((2.5 / 3) ** 0.5), 3)
     pairs = validation.compared_pairs("tokens_per_s")
     assert [(a.block_size, b.block_size) for a, b in pairs] == [(8, 32), (16, 32)]
     ranking = validation.rank("tokens_per_s")
@@ -163,6 +165,33 @@ def test_rankings_compare_only_block_sizes_apart_beyond_the_run_to_run_noise():
     assert (flat.compared, flat.agreement) == (0, None)
     line = format_ranking(flat)
     assert "no pair compared" in line and "alike" not in line
+
+
+def test_a_pair_is_apart_only_beyond_students_t_on_the_pooled_run_to_run_deviation():
+    # Means 101 and 104, 3 apart, beyond the widest spread of a size's runs (2), but the
+    # pooled deviation is sqrt(4 / 3) with 3 degrees of freedom: the difference must exceed
+    # t(0.975, 3) = 3.182 times 1.155 = 3.67.
+    checks = [
+        _check(8, (100,), (100,), (102,)),
+        _check(16, (100,), (103,), (105,)),
+        _check(64, (100,), (100,), (100,)),
+    ]
+    validation = Validation(trace={}, setup={}, checks=checks)
+    assert not validation.apart("tokens_per_s", checks[0], checks[1])
+    assert validation.apart("tokens_per_s", checks[1], checks[2])  # 4 apart
+    assert validation.rank("tokens_per_s").compared == 1
+    # Three runs a size narrow the standard error: the same means 3 apart now differ.
+    three = [
+        _check(8, (100,), (100,), (102,), (101,)),
+        _check(16, (100,), (103,), (105,), (104,)),
+    ]
+    assert Validation(trace={}, setup={}, checks=three).apart("tokens_per_s", *three)
+    # One run a size measures no noise: any pair beyond `RANK_TIE` is apart.
+    single = [_check(8, (100,), (100,)), _check(16, (100,), (100.5,))]
+    assert Validation(trace={}, setup={}, checks=single).noise("tokens_per_s") == (0.0, 0)
+    assert not Validation(trace={}, setup={}, checks=single).apart("tokens_per_s", *single)
+    single[1] = _check(16, (100,), (102,))
+    assert Validation(trace={}, setup={}, checks=single).apart("tokens_per_s", *single)
 
 
 def test_a_predicted_tie_shows_as_one_and_does_not_order_a_pair_alike():
