@@ -53,11 +53,12 @@ class ServedMetrics:
     ) -> ServedMetrics:
         """The simulator's prediction for `workload` at `block_size`: tokens/s, the p50s, the
         peak blocks and the preemptions of a run at the fitted step times, the p99s of a run
-        whose every step is scaled by a factor drawn from the calibration's step spread
-        (`seed`); one run where the calibration has no spread.
+        whose steps are scaled by factors drawn from the calibration's step spread (`seed`;
+        each held for a stretch of simulated time, `simulator.SPREAD_HOLD_S`); one run
+        where the calibration has no spread.
 
         The spread is a distribution over all the grid's steps, so it widens the tails as
-        the live steps do; but drawn per step it also moves which requests decode while a
+        the live steps do; but drawn at random it also moves which requests decode while a
         long prompt is computed, which the central figures of a saturated run follow (see
         docs/architecture.md)."""
         from dataclasses import replace
@@ -77,9 +78,12 @@ class ServedMetrics:
         """How `predicted` prices the steps of `server`, in words."""
         if not server.step_spread:
             return "every step at its fitted time"
+        from blocktune.tuner.sim.simulator import SPREAD_HOLD_S
+
         return (
             "tokens/s, p50s, peak KV and preemptions at the fitted step times; p99s with "
-            f"each step scaled by a factor drawn from the calibration's step spread (seed {seed})"
+            "the steps scaled by factors drawn from the calibration's step spread, each held "
+            f"for {SPREAD_HOLD_S:g} s (seed {seed})"
         )
 
     @classmethod

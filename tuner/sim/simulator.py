@@ -72,6 +72,14 @@ HORIZON_STEPS = 64
 """Steps priced at once while looking for the next event (a longer stretch continues)."""
 SPREAD_DRAWS = 4096
 """Step-time factors drawn at a time from the calibration's step spread."""
+SPREAD_HOLD_S = 0.2
+"""Simulated seconds a drawn step-time factor holds for: the steps that start within that
+stretch all take it. A machine's slow and fast spells last longer than a step (one engine's
+150-step stretches of the same tiny-random step, about 0.3 s each, had medians from 1.9 to
+4.4 ms), so a spread drawn afresh for every step averages out over a request's steps and
+leaves its TPOT p99 low (the light embedded day: -27%; held 0.05-2 s: +6 to +8%; 0.2 s also
+kept the Azure lengths' and SmolLM2's p99s at median |errors| of 3.8-14.1%:
+bench/results/2026-12-07-calibration-fidelity.md)."""
 
 
 class Controller(Protocol):
@@ -142,7 +150,7 @@ def simulate(
 ) -> Run:
     """Replay `workload` on `server`, starting at `block_size` (fixed without a controller).
     Where the calibration has a step spread, each step's time is multiplied by a factor drawn
-    from it with `seed`."""
+    from it with `seed` and held for `SPREAD_HOLD_S` of simulated time."""
     return _Server(workload, server, block_size, controller, progress, seed).run()
 
 
@@ -171,7 +179,9 @@ class _Server:
         self.spread = server.step_spread
         self.seed = seed
         self.rng: np.random.Generator | None = None  # made at the first spread draw
-        self.factors: list[float] = []
+        self.uniform_factors: list[float] = []  # drawn ahead, see `_draw`
+        self.weighted_factors: list[float] = []
+        self.factor, self.factor_until = 1.0, -math.inf  # the factor held, and until when
         self.server = server
         self.controller = controller
         self.progress = progress
@@ -453,7 +463,7 @@ class _Server:
         """A step that computes prompt chunks while nothing decodes."""
         step_s = self.cost.fixed_s + self._prefill_s()
         if self.spread:
-            step_s *= self._spread_factor()
+            step_s *= self._spread_factor(self.t, step_s)
         referenced = self._referenced()
         self._account(referenced * self.block_size, referenced, referenced * step_s, 0, step_s)
         self.t += step_s
@@ -470,14 +480,31 @@ class _Server:
             + self.prefill_chunks * cost.per_admission_s
         )
 
-    def _spread_factor(self) -> float:
-        """The next step's factor: one of the step spread's quantiles, drawn uniformly."""
-        if not self.factors:
-            if self.rng is None:
-                self.rng = np.random.default_rng(self.seed)
+    def _spread_factor(self, start: float, step_s: float) -> float:
+        """The factor of a step of `step_s` (before the factor) that starts at simulated
+        time `start`. A step shorter than `SPREAD_HOLD_S` takes the factor held, or, once
+        the hold has passed since it was drawn, a new one drawn from the step spread's
+        quantiles in proportion to its value: a stretch of factor f holds 1/f times as many
+        steps as one of factor 1, so every step's factor is as likely to be any of the
+        quantiles (the steps keep the spread, and its mean). A step as long as the hold or
+        longer draws its own, uniformly."""
+        if step_s >= SPREAD_HOLD_S:
+            return self._draw(uniform=True)
+        if start >= self.factor_until:
+            self.factor, self.factor_until = self._draw(uniform=False), start + SPREAD_HOLD_S
+        return self.factor
+
+    def _draw(self, *, uniform: bool) -> float:
+        """One of the step spread's quantiles, drawn uniformly or in proportion to its value
+        (each from its own seeded stream of `SPREAD_DRAWS` at a time)."""
+        if self.rng is None:
+            self.rng = np.random.default_rng(self.seed)
+        factors = self.uniform_factors if uniform else self.weighted_factors
+        if not factors:
             spread = np.asarray(self.spread)
-            self.factors = spread[self.rng.integers(0, len(spread), SPREAD_DRAWS)].tolist()
-        return self.factors.pop()
+            weights = None if uniform else spread / spread.sum()
+            factors.extend(self.rng.choice(spread, SPREAD_DRAWS, p=weights).tolist())
+        return factors.pop()
 
     def _preempt_youngest(self) -> None:
         """Free the blocks of the latest-arrived running or prefilling request and queue it
@@ -535,7 +562,7 @@ class _Server:
         if admitted:
             step_s += self._prefill_s()
         if spread:
-            step_s *= self._spread_factor()
+            step_s *= self._spread_factor(t, step_s)
         elapsed, kv_block_s = step_s, referenced_sum * step_s
         first_end = end = t + elapsed
         k = 1
@@ -546,7 +573,7 @@ class _Server:
                 break
             step_s = per_block * blocks + slope * k + const
             if spread:
-                step_s *= self._spread_factor()
+                step_s *= self._spread_factor(end, step_s)
             table_blocks = blocks
             elapsed += step_s
             end = t + elapsed

@@ -406,7 +406,9 @@ def test_a_prediction_takes_its_central_figures_at_the_fitted_times_and_its_tail
     )
     assert ServedMetrics.predicted(workload, plain, 16) == fitted
     assert ServedMetrics.prediction_method(plain) == "every step at its fitted time"
-    assert ServedMetrics.prediction_method(server, 3).endswith("step spread (seed 3)")
+    assert ServedMetrics.prediction_method(server, 3).endswith(
+        "step spread, each held for 0.2 s (seed 3)"
+    )
 
 
 def test_serve_live_reports_its_progress_through_the_output_tokens_after_every_step(model):

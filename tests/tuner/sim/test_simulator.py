@@ -180,7 +180,19 @@ class Spread(StepCostModel):
         return (0.5, 0.6, 0.8, 1.0, 1.1, 2.0)
 
 
-def test_a_step_spread_is_sampled_per_step_with_a_seed_and_keeps_the_mean():
+def one_at_a_time(count: int, outputs: int) -> Workload:
+    """`count` requests of 8-token prompts and `outputs` tokens, all queued at 0 and served
+    one at a time: the engine is busy without a break."""
+    frame = pd.DataFrame(
+        {"arrival_s": np.zeros(count), "prompt_tokens": 8, "output_tokens": outputs}
+    )
+    return Workload.from_frame(frame)
+
+
+SERIAL = {"batch": {"max_num_seqs": 1}}
+
+
+def test_a_step_spread_is_sampled_with_a_seed_and_keeps_the_mean_of_steps_back_to_back():
     workload = Workload.from_frame(busy_day())
     policy = with_budget(8192)
     plain = simulate(workload, StepCostModel(policy, CALIBRATION, fixed_step_s=0.01), 16)
@@ -190,14 +202,41 @@ def test_a_step_spread_is_sampled_per_step_with_a_seed_and_keeps_the_mean():
     assert runs[0].finish_s.tolist() != runs[2].finish_s.tolist()
     for run in runs:
         check_conservation(workload, run)
-        # The spread's mean is 1, so the total time of the steps stays, up to the sampling.
-        assert run.busy_s / run.steps == pytest.approx(0.01, rel=0.03)
     assert plain.busy_s / plain.steps == pytest.approx(0.01)
     spread_tpot = (runs[0].finish_s - runs[0].first_token_s) / np.maximum(
         1, workload.output_tokens - 1
     )
     plain_tpot = (plain.finish_s - plain.first_token_s) / np.maximum(1, workload.output_tokens - 1)
     assert np.percentile(spread_tpot, 99) > np.percentile(plain_tpot, 99)
+    # Served back to back (about 2,000 held factors), the steps average the spread's mean, 1:
+    # a factor is drawn in proportion to its value and held for a stretch of time, which
+    # holds 1/f times as many steps.
+    serial = Spread(with_budget(8192, **SERIAL), CALIBRATION, fixed_step_s=0.01)
+    for seed in (0, 1):
+        run = simulate(one_at_a_time(400, 100), serial, 16, seed=seed)
+        assert run.busy_s / run.steps == pytest.approx(0.01, rel=0.03)
+
+
+def test_a_drawn_step_factor_holds_for_a_stretch_of_simulated_time(monkeypatch):
+    """Held for `SPREAD_HOLD_S`, a factor slows or speeds all of a short request's steps at
+    once, so TPOTs spread as widely as the factors; drawn per step, they average out."""
+    from blocktune.tuner.sim import simulator
+
+    workload = one_at_a_time(200, 11)  # ten gaps of 5-20 ms: one request within one hold
+    serial = Spread(with_budget(8192, **SERIAL), CALIBRATION, fixed_step_s=0.01)
+
+    def tpots(hold: float) -> np.ndarray:
+        monkeypatch.setattr(simulator, "SPREAD_HOLD_S", hold)
+        run = simulate(workload, serial, 16, seed=3)
+        return (run.finish_s - run.first_token_s) / 10
+
+    held, per_step = tpots(simulator.SPREAD_HOLD_S), tpots(0.0)
+    # Most requests lie within one stretch: their TPOT is one of the factors times 10 ms.
+    on_a_factor = np.isclose(held[:, None], 0.01 * np.array(serial.step_spread)).any(axis=1)
+    assert on_a_factor.mean() > 0.5
+    assert np.percentile(held, 99) == pytest.approx(0.02)
+    assert np.percentile(per_step, 99) < 0.016
+    assert held.std() > 2 * per_step.std()
 
 
 def prefix_requests(arrivals, prompts, outputs, hashes) -> Workload:
