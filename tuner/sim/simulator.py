@@ -74,12 +74,17 @@ SPREAD_DRAWS = 4096
 """Step-time factors drawn at a time from the calibration's step spread."""
 SPREAD_HOLD_S = 0.2
 """Simulated seconds a drawn step-time factor holds for: the steps that start within that
-stretch all take it. A machine's slow and fast spells last longer than a step (one engine's
-150-step stretches of the same tiny-random step, about 0.3 s each, had medians from 1.9 to
-4.4 ms), so a spread drawn afresh for every step averages out over a request's steps and
-leaves its TPOT p99 low (the light embedded day: -27%; held 0.05-2 s: +6 to +8%; 0.2 s also
-kept the Azure lengths' and SmolLM2's p99s at median |errors| of 3.8-14.1%:
-bench/results/2026-12-07-calibration-fidelity.md)."""
+stretch all take it, and a step longer than the hold has one of its own. A machine's slow
+and fast spells last longer than a step (one engine's 150-step stretches of the same
+tiny-random step, about 0.3 s each, had medians from 1.9 to 4.4 ms), so factors drawn afresh
+for every step average out over a request's steps and leave its TPOT p99 low. Held factors
+are drawn uniformly, so a busy engine's steps see fast factors a little more often than slow
+ones (a stretch of factor f holds 1/f times as many steps as one of factor 1): their mean is
+1 / mean(1 / f) of the fit's, 0.94-0.99 for the spreads measured on 2026-12-07. Held so,
+the p99s of three cases' kept live runs, re-simulated over eight seeds, came closer than
+with factors drawn per step in all three, and than with held factors drawn in proportion to
+f (which keeps the steps' mean, but put the Azure lengths' TTFT p99 32% high)
+(bench/results/2026-12-07-calibration-fidelity.md)."""
 
 
 class Controller(Protocol):
@@ -179,8 +184,7 @@ class _Server:
         self.spread = server.step_spread
         self.seed = seed
         self.rng: np.random.Generator | None = None  # made at the first spread draw
-        self.uniform_factors: list[float] = []  # drawn ahead, see `_draw`
-        self.weighted_factors: list[float] = []
+        self.factors: list[float] = []  # drawn ahead
         self.factor, self.factor_until = 1.0, -math.inf  # the factor held, and until when
         self.server = server
         self.controller = controller
@@ -463,7 +467,7 @@ class _Server:
         """A step that computes prompt chunks while nothing decodes."""
         step_s = self.cost.fixed_s + self._prefill_s()
         if self.spread:
-            step_s *= self._spread_factor(self.t, step_s)
+            step_s *= self._spread_factor(self.t)
         referenced = self._referenced()
         self._account(referenced * self.block_size, referenced, referenced * step_s, 0, step_s)
         self.t += step_s
@@ -480,31 +484,19 @@ class _Server:
             + self.prefill_chunks * cost.per_admission_s
         )
 
-    def _spread_factor(self, start: float, step_s: float) -> float:
-        """The factor of a step of `step_s` (before the factor) that starts at simulated
-        time `start`. A step shorter than `SPREAD_HOLD_S` takes the factor held, or, once
-        the hold has passed since it was drawn, a new one drawn from the step spread's
-        quantiles in proportion to its value: a stretch of factor f holds 1/f times as many
-        steps as one of factor 1, so every step's factor is as likely to be any of the
-        quantiles (the steps keep the spread, and its mean). A step as long as the hold or
-        longer draws its own, uniformly."""
-        if step_s >= SPREAD_HOLD_S:
-            return self._draw(uniform=True)
-        if start >= self.factor_until:
-            self.factor, self.factor_until = self._draw(uniform=False), start + SPREAD_HOLD_S
-        return self.factor
-
-    def _draw(self, *, uniform: bool) -> float:
-        """One of the step spread's quantiles, drawn uniformly or in proportion to its value
-        (each from its own seeded stream of `SPREAD_DRAWS` at a time)."""
-        if self.rng is None:
-            self.rng = np.random.default_rng(self.seed)
-        factors = self.uniform_factors if uniform else self.weighted_factors
-        if not factors:
+    def _spread_factor(self, start: float) -> float:
+        """The factor of a step that starts at simulated time `start`: the one held, or,
+        once `SPREAD_HOLD_S` has passed since it was drawn, one of the step spread's
+        quantiles drawn uniformly."""
+        if start < self.factor_until:
+            return self.factor
+        if not self.factors:
+            if self.rng is None:
+                self.rng = np.random.default_rng(self.seed)
             spread = np.asarray(self.spread)
-            weights = None if uniform else spread / spread.sum()
-            factors.extend(self.rng.choice(spread, SPREAD_DRAWS, p=weights).tolist())
-        return factors.pop()
+            self.factors = spread[self.rng.integers(0, len(spread), SPREAD_DRAWS)].tolist()
+        self.factor, self.factor_until = self.factors.pop(), start + SPREAD_HOLD_S
+        return self.factor
 
     def _preempt_youngest(self) -> None:
         """Free the blocks of the latest-arrived running or prefilling request and queue it
@@ -562,7 +554,7 @@ class _Server:
         if admitted:
             step_s += self._prefill_s()
         if spread:
-            step_s *= self._spread_factor(t, step_s)
+            step_s *= self._spread_factor(t)
         elapsed, kv_block_s = step_s, referenced_sum * step_s
         first_end = end = t + elapsed
         k = 1
@@ -573,7 +565,7 @@ class _Server:
                 break
             step_s = per_block * blocks + slope * k + const
             if spread:
-                step_s *= self._spread_factor(end, step_s)
+                step_s *= self._spread_factor(end)
             table_blocks = blocks
             elapsed += step_s
             end = t + elapsed

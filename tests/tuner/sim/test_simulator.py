@@ -192,7 +192,7 @@ def one_at_a_time(count: int, outputs: int) -> Workload:
 SERIAL = {"batch": {"max_num_seqs": 1}}
 
 
-def test_a_step_spread_is_sampled_with_a_seed_and_keeps_the_mean_of_steps_back_to_back():
+def test_a_step_spread_is_sampled_with_a_seed_and_held_factors_weigh_the_steps_by_time():
     workload = Workload.from_frame(busy_day())
     policy = with_budget(8192)
     plain = simulate(workload, StepCostModel(policy, CALIBRATION, fixed_step_s=0.01), 16)
@@ -208,13 +208,13 @@ def test_a_step_spread_is_sampled_with_a_seed_and_keeps_the_mean_of_steps_back_t
     )
     plain_tpot = (plain.finish_s - plain.first_token_s) / np.maximum(1, workload.output_tokens - 1)
     assert np.percentile(spread_tpot, 99) > np.percentile(plain_tpot, 99)
-    # Served back to back (about 2,000 held factors), the steps average the spread's mean, 1:
-    # a factor is drawn in proportion to its value and held for a stretch of time, which
-    # holds 1/f times as many steps.
+    # Served back to back (about 2,000 held factors, drawn uniformly), a stretch of factor f
+    # holds 1/f times as many steps as one of factor 1: the steps average 1 / mean(1 / f).
     serial = Spread(with_budget(8192, **SERIAL), CALIBRATION, fixed_step_s=0.01)
+    harmonic = 1 / np.mean(1 / np.array(serial.step_spread))  # 0.82
     for seed in (0, 1):
         run = simulate(one_at_a_time(400, 100), serial, 16, seed=seed)
-        assert run.busy_s / run.steps == pytest.approx(0.01, rel=0.03)
+        assert run.busy_s / run.steps == pytest.approx(0.01 * harmonic, rel=0.03)
 
 
 def test_a_drawn_step_factor_holds_for_a_stretch_of_simulated_time(monkeypatch):
@@ -234,7 +234,7 @@ def test_a_drawn_step_factor_holds_for_a_stretch_of_simulated_time(monkeypatch):
     # Most requests lie within one stretch: their TPOT is one of the factors times 10 ms.
     on_a_factor = np.isclose(held[:, None], 0.01 * np.array(serial.step_spread)).any(axis=1)
     assert on_a_factor.mean() > 0.5
-    assert np.percentile(held, 99) == pytest.approx(0.02)
+    assert np.percentile(held, 99) > 0.018  # near the slowest factor, 2 x 10 ms
     assert np.percentile(per_step, 99) < 0.016
     assert held.std() > 2 * per_step.std()
 
