@@ -76,14 +76,14 @@ SPREAD_HOLD_S = 0.2
 """Simulated seconds a drawn step-time factor holds for: the steps that start within that
 stretch all take it, and a step longer than the hold has one of its own. A machine's slow
 and fast spells last longer than a step (one engine's 150-step stretches of the same
-tiny-random step, about 0.3 s each, had medians from 1.9 to 4.4 ms), so factors drawn afresh
+tiny-random step, 0.3-0.7 s each, had medians from 1.9 to 4.4 ms), so factors drawn afresh
 for every step average out over a request's steps and leave its TPOT p99 low. Held factors
 are drawn uniformly, so a busy engine's steps see fast factors a little more often than slow
 ones (a stretch of factor f holds 1/f times as many steps as one of factor 1): their mean is
 1 / mean(1 / f) of the fit's, 0.94-0.99 for the spreads measured on 2026-12-07. Held so,
 the p99s of three cases' kept live runs, re-simulated over eight seeds, came closer than
-with factors drawn per step in all three, and than with held factors drawn in proportion to
-f (which keeps the steps' mean, but put the Azure lengths' TTFT p99 32% high)
+with factors drawn per step in all three; held factors drawn in proportion to f (which keeps
+the steps' mean) put the Azure lengths' TTFT p99 32% high
 (bench/results/2026-12-07-calibration-fidelity.md)."""
 
 
