@@ -468,14 +468,17 @@ def _live_run(
     task: _LiveTask,
 ) -> tuple[ServedMetrics, list[TimedStep]]:
     """One live run of `workload` at the task's block size, timing its share of `grid`'s
-    points between its steps; its engines and pools are freed on return."""
-    from blocktune.tuner.measure.engine_measure import STEP_CLOCKS, GridTimer
+    points between its steps; its engines and pools are freed on return. The model is warm
+    before the first live step (`GridTimer`'s engines warm it, or `warm_up_model`)."""
+    from blocktune.tuner.measure.engine_measure import STEP_CLOCKS, GridTimer, warm_up_model
 
     timer = None
     if grid is not None and task.grid_share is not None:
         number, sharers = task.grid_share
         share = (number, range(number, grid.num_points, sharers))
         timer = GridTimer(model, grid, backend, clock, seed, share)
+    else:
+        warm_up_model(model, backend)
     engine = _engine(model, server, task.block_size, workload)
     live = serve_live(
         engine,

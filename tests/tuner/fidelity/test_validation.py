@@ -275,6 +275,30 @@ def test_live_runs_go_round_robin_over_the_block_sizes(model, monkeypatch):
     assert [len(c.measured_runs) for c in result.checks] == [3, 3]
 
 
+def test_a_live_run_starts_on_a_warm_model_as_the_simulator_prices_it(monkeypatch):
+    """The first product of a process packs its weights (0.6 s of SmolLM2's first step);
+    a live run without a grid to time warms the model up before its first step."""
+    from blocktune.runtime.linear import packs
+    from blocktune.tuner.fidelity import validation
+
+    fresh = load_weights("tiny-random", seed=0)
+    if not packs(fresh.lm_head.weight):
+        pytest.skip("this torch build packs no weights")
+    products = (fresh.lm_head, fresh.model.layers[0].self_attn.qkv)
+    packed_at_start = []
+
+    def serving(engine, workload, **kwargs):
+        packed_at_start.append([p._packed is not None for p in products])
+        return serve_live(engine, workload, **kwargs)
+
+    monkeypatch.setattr(validation, "serve_live", serving)
+    workload = _workload([0.0, 0.1], [5, 9], [3, 3])
+    validation.validate(
+        workload, _two_sizes(), fresh, analytic_calibration(), (8, 16), step_s=STEP_S
+    )
+    assert packed_at_start == [[True, True]] * 4
+
+
 @pytest.mark.slow
 def test_live_runs_in_two_processes_measure_what_one_process_does(model):
     from blocktune.tuner.fidelity.validation import validate

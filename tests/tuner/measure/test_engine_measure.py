@@ -335,3 +335,25 @@ def test_a_grid_timer_times_its_share_as_far_as_it_is_asked_and_the_rest_when_cl
     # Every point of the share at both sizes, `repeats` steps each.
     assert len(steps) == len(share) * 2 * grid.repeats
     assert {s.block_size for s in steps} == {8, 16}
+
+
+def products_packed(model) -> list[bool]:
+    """Whether each of `model`'s products holds its oneDNN-packed weight."""
+    products = [model.lm_head]
+    for layer in model.model.layers:
+        products += [layer.self_attn.qkv, layer.self_attn.o_proj, layer.mlp.gate_up]
+        products.append(layer.mlp.down_proj)
+    return [product._packed is not None for product in products]
+
+
+def test_warming_a_model_up_pays_its_first_products_before_anything_is_timed():
+    from blocktune.runtime.linear import packs
+    from blocktune.runtime.loading import load_weights
+    from blocktune.tuner.measure import engine_measure
+
+    model = load_weights("tiny-random", seed=0)
+    if not packs(model.lm_head.weight):
+        pytest.skip("this torch build packs no weights")
+    assert not any(products_packed(model))
+    engine_measure.warm_up_model(model, "torch")
+    assert all(products_packed(model))
