@@ -184,9 +184,18 @@ def grid_for_lengths(
 
 def grid_for_pool(grid: EngineGrid, model: LlamaModel, pool_tokens: int) -> EngineGrid:
     """`grid` for steps served from a pool of `pool_tokens` slots: its points hold at most the
-    pool's tokens or `GRID_POINT_KV_BYTES` of `model`'s K/V, whichever is more."""
+    pool's tokens or `GRID_POINT_KV_BYTES` of `model`'s K/V, whichever is more, and its decode
+    batches reach down to the most requests the pool holds at the grid's shortest context."""
     per_token = model_shape(model).kv_bytes_per_token
-    return replace(grid, held_tokens=max(pool_tokens, GRID_POINT_KV_BYTES // per_token))
+    pool_batch = pool_tokens // (min(grid.context_lens) + grid.growth)
+    batches = set(grid.batch_sizes)
+    if 1 < pool_batch < max(batches):
+        batches.add(pool_batch)
+    return replace(
+        grid,
+        batch_sizes=tuple(sorted(batches)),
+        held_tokens=max(pool_tokens, GRID_POINT_KV_BYTES // per_token),
+    )
 
 
 def engine_model(model: LlamaModel, name: str) -> EngineModel:

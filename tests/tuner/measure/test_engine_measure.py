@@ -276,10 +276,12 @@ def test_a_grid_held_to_a_number_of_tokens_times_only_points_within_it():
     assert alone == set(fitted.admission_points)
 
 
-def test_a_grid_for_a_small_pool_holds_the_pool_or_a_gibibyte_of_k_v_whichever_is_more():
+def test_a_grid_for_a_small_pool_holds_the_pool_or_a_gibibyte_of_k_v_and_the_batch_it_holds():
     """validate serves from the policy's pool: its grid holds no point of more than that pool
     or `GRID_POINT_KV_BYTES` of K/V (SmolLM2's whole grid on the Azure lengths held 6 GB a
-    point, in each of two processes, and the system killed one)."""
+    point, in each of two processes, and the system killed one), and times the batch the
+    pool holds (a 128 KiB pool's steps of 1-3 requests were priced 1.13x on a grid of 1, 8
+    and 32)."""
     from blocktune.runtime.loading import load_weights
     from blocktune.tuner.measure import engine_measure
 
@@ -289,9 +291,14 @@ def test_a_grid_for_a_small_pool_holds_the_pool_or_a_gibibyte_of_k_v_whichever_i
     small = engine_measure.grid_for_pool(grid, model, 256)
     assert small.held_tokens == engine_measure.GRID_POINT_KV_BYTES // per_token
     large = 4 * engine_measure.GRID_POINT_KV_BYTES // per_token
-    assert engine_measure.grid_for_pool(grid, model, large).held_tokens == large
-    # Nothing else of the grid changes.
-    assert replace(small, held_tokens=None) == grid
+    held_large = engine_measure.grid_for_pool(grid, model, large)
+    assert held_large.held_tokens == large
+    # A pool that holds fewer requests than the grid's largest batch adds the batch it holds
+    # at the shortest context (256 // (32 + 12 tokens of growth) = 5); nothing else changes.
+    assert grid.batch_sizes == (1, 8, 32) and grid.growth == 12
+    assert small.batch_sizes == (1, 5, 8, 32)
+    assert held_large.batch_sizes == grid.batch_sizes
+    assert replace(small, held_tokens=None, batch_sizes=grid.batch_sizes) == grid
 
 
 def test_a_held_grid_runs_every_point_on_a_pool_of_its_size():
