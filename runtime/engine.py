@@ -322,7 +322,9 @@ class Engine:
         self._running.append(request)
         return request.id
 
-    def _new_request(self, prompt_ids: Sequence[int], params: SamplingParams | None) -> _Request:
+    def _new_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams | None
+    ) -> _Request:
         """A request for `prompt_ids` with an id of its own, validated (`RequestError`)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]

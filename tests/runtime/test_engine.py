@@ -96,65 +96,6 @@ def test_prefix_caching_reuses_blocks_and_keeps_tokens(model):
     engine.blocks.check()
 
 
-def test_a_request_admitted_uncomputed_decodes_from_the_k_v_its_blocks_hold(model):
-    """`admit_uncomputed` skips the prompt's computation and decodes from whatever K/V its
-    blocks hold: given the K/V a real prefill wrote and its first token, the request goes on
-    exactly as the computed one; left to itself its blocks hold random K/V, not the pool's
-    untouched zeros (which the OS maps to one shared page: reads of it are cache hits)."""
-    prompt = _prompts(1, seed=5, low=21, high=21)[0]
-    params = SamplingParams(max_tokens=6, ignore_eos=True)
-    computed = Engine(model, EngineConfig(block_size=8, num_blocks=16))
-    request = computed.add_request(prompt, params)
-    first = computed.step()[0].token_ids[-1]
-    slots = computed.table.slot_mapping(computed._requests[request].row, range(len(prompt)))
-    prefilled = [
-        (k[slots].clone(), v[slots].clone())
-        for k, v in zip(computed.kv.k, computed.kv.v, strict=True)
-    ]
-    expected = [o.token_ids[-1] for _ in range(5) for o in computed.step()]
-
-    engine = Engine(model, EngineConfig(block_size=8, num_blocks=16))
-    noise = torch.Generator().manual_seed(0)
-    admitted = engine.admit_uncomputed(prompt, params, first, noise)
-    assert engine.stats()["blocks_used"] == 3  # 21 tokens in blocks of 8, nothing computed
-    own = engine.table.slot_mapping(engine._requests[admitted].row, range(len(prompt)))
-    for layer, (k, v) in enumerate(prefilled):
-        assert engine.kv.k[layer][own].abs().min() > 0  # random, not the zeros it held
-        engine.kv.k[layer][own], engine.kv.v[layer][own] = k, v
-    tokens = [o.token_ids[-1] for _ in range(5) for o in engine.step()]
-    assert tokens == expected
-    assert not engine.has_unfinished()  # its first token counted as output: 6 in all
-    engine.blocks.check()
-
-
-def test_an_uncomputed_admission_keeps_cached_prefix_blocks_and_refuses_what_has_no_room(model):
-    engine = Engine(model, EngineConfig(block_size=8, num_blocks=6, enable_prefix_caching=True))
-    shared = _prompts(1, seed=6, low=16, high=16)[0]
-    engine.generate([shared + [1]], SamplingParams(max_tokens=2))
-    cached = engine.blocks.num_cached_tokens  # the cache keeps the two full blocks of 8
-    before = [k.clone() for k in engine.kv.k]
-    noise = torch.Generator().manual_seed(0)
-    params = SamplingParams(max_tokens=4)
-    admitted = engine.admit_uncomputed(shared + [2] * 9, params, 3, noise)
-    assert cached(admitted) == 16
-    row = engine._requests[admitted].row
-    prefix, own = engine.table.slot_mapping(row, range(16)), engine.table.slot_mapping(row, [20])
-    assert all(
-        torch.equal(k[prefix], old[prefix]) for k, old in zip(engine.kv.k, before, strict=True)
-    )
-    assert not any(
-        torch.equal(k[own], old[own]) for k, old in zip(engine.kv.k, before, strict=True)
-    )
-    free = engine.blocks.num_free_blocks
-    with pytest.raises(RequestError, match="free blocks of 8 cannot hold a prompt of 40"):
-        engine.admit_uncomputed([5] * 40, params, 3, noise)
-    assert engine.blocks.num_free_blocks == free and len(engine._running) == 1
-    single = Engine(model, EngineConfig(block_size=8, num_blocks=16, max_num_seqs=1))
-    single.admit_uncomputed([5] * 4, params, 3, noise)
-    with pytest.raises(RequestError, match="all 1 batch rows are in use"):
-        single.admit_uncomputed([6] * 4, params, 3, noise)
-
-
 def test_listeners_receive_finished_lengths_and_stats_are_counted(model):
     engine = Engine(model, EngineConfig(block_size=8, num_blocks=32))
     finished: list[FinishedRequest] = []

@@ -8,12 +8,7 @@ drifts slows every size alike instead of one size more than another. A point is
 - a decode batch: n requests at context c for every (n, c) of the grid (and the
   batch with its first half at the shortest context), `repeats` consecutive
   steps each timed (the context grows by one a step) after `SETTLE_STEPS`
-  untimed ones. Its requests are admitted as though their prompts had been
-  computed (`Engine.admit_uncomputed`: random K/V in their blocks), since a
-  decode step costs the same whatever its K/V hold: a SmolLM2 point took 15-21 s
-  of prefill to set up and 1-3 s so, and its decode steps timed alike (alternated
-  on one engine, three times at four points: within the machine's noise, means
-  -14% to +8% apart, no sign of one way);
+  untimed ones;
 - an admission step: m prompts of k tokens admitted together, for every chunk
   size k and every m of `admissions` with m * k within the largest chunk, alone
   and next to a decode batch (the grid's middle n and c), `repeats` times.
@@ -31,8 +26,7 @@ a prompt share its blocks (prefix caching), and a decode step that reads the
 same blocks for every request finds them in the CPU's caches, where served
 requests each read their own (24 requests at 1000 tokens, one thread: about
 5-8 ms a step shared, 10-11 ms each with its own). The first steps of every
-engine (two short prompts prefilled and decoded) are run untimed (allocation
-and warm-up).
+engine are run untimed (allocation and warm-up).
 
 `grid_for_lengths` fits a grid to a workload: prefill chunks up to its longest
 prompt and decode contexts up to its longest request (within the model's

@@ -364,38 +364,3 @@ def test_warming_a_model_up_pays_its_first_products_before_anything_is_timed():
     assert not any(products_packed(model))
     engine_measure.warm_up_model(model, "torch")
     assert all(products_packed(model))
-
-
-def test_a_grid_point_records_what_its_requests_hold_without_computing_their_prompts():
-    """A decode point admits its requests as though their prompts were computed (a SmolLM2
-    point's setup took 15-21 s of prefill, 1-3 s so): each timed step is recorded with the
-    tokens and blocks its requests hold in the engine, the batch padded to its longest."""
-    import numpy as np
-
-    from blocktune.runtime.loading import load_weights
-    from blocktune.tuner.measure import engine_measure
-
-    grid = engine_measure.default_engine_grid(quick=True, block_sizes=(8,))
-    engine = engine_measure._engine(load_weights("tiny-random", seed=0), grid, 8, "torch")
-    held = []
-
-    def step():
-        engine.step.__wrapped__()
-        ids = [r.id for r in engine._running]
-        held.append(
-            (
-                sum(engine.blocks.num_tokens(i) for i in ids),
-                sum(len(engine.blocks.block_ids(i)) for i in ids),
-                len(ids) * max(engine.blocks.num_tokens(i) for i in ids),
-            )
-        )
-
-    step.__wrapped__ = engine.step
-    engine.step = step
-    steps = engine_measure._decode_point(
-        engine, grid, np.random.default_rng(0), lambda: 0.0, short=2, long=3, context=90
-    )
-    recorded = [(s.context_tokens, s.context_blocks, s.padded_tokens) for s in steps]
-    assert recorded == held[-grid.repeats :]
-    assert len(held) == engine_measure.SETTLE_STEPS + grid.repeats  # no prefill step
-    assert steps[0].context_tokens == 2 * (16 + 6) + 3 * (90 + 6)
