@@ -275,65 +275,20 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> int:
         """Queue a request; returns its id. Raises `RequestError` for input it cannot serve."""
-        request = self._new_request(prompt_ids, params)
-        if request.params.prompt_logprobs is not None:
-            request.prompt_logprobs = self._prompt_logprobs(
-                request.prompt, request.params.prompt_logprobs
-            )
-        self._requests[request.id] = request
-        self._waiting.append(request)
-        return request.id
-
-    def admit_uncomputed(
-        self,
-        prompt_ids: Sequence[int],
-        params: SamplingParams,
-        first_token: int,
-        generator: torch.Generator,
-    ) -> int:
-        """Admit a request now as though its prompt had been computed and had sampled
-        `first_token`: its blocks hold random K/V drawn by `generator` instead of the
-        prompt's, so its decode steps cost what they would after the real prompt, without
-        paying for the prompt. For timing decodes at long contexts (engine calibration):
-        its output means nothing, and its full blocks enter the prefix cache under the
-        prompt's hashes, so give it a prompt no real request shares. Returns its id; raises
-        `RequestError` for input `add_request` refuses or where no batch row or too few
-        blocks are free."""
-        request = self._new_request(prompt_ids, params)
-        if not self._free_rows:
-            raise RequestError(f"all {self.config.max_num_seqs} batch rows are in use")
-        if self.blocks.allocate(request.id, request.tokens) is None:
-            raise RequestError(
-                f"{self.blocks.num_free_blocks} free blocks of {self.block_size} cannot hold "
-                f"a prompt of {len(request.prompt)} tokens"
-            )
-        request.row = self._free_rows.pop()
-        self.table.set_row(request.row, self.blocks.block_ids(request.id))
-        cached = self.blocks.num_cached_tokens(request.id)  # shared blocks keep their K/V
-        slots = self.table.slot_mapping(request.row, range(cached, len(request.prompt)))
-        index = torch.from_numpy(slots).to(self.model.device)
-        for cache in (*self.kv.k, *self.kv.v):
-            noise = torch.randn(
-                (len(index), *cache.shape[1:]), generator=generator, dtype=cache.dtype
-            )
-            cache[index] = noise.to(cache.device)
-        request.output.append(int(first_token))
-        self._requests[request.id] = request
-        self._running.append(request)
-        return request.id
-
-    def _new_request(
-        self, prompt_ids: Sequence[int], params: SamplingParams | None
-    ) -> _Request:
-        """A request for `prompt_ids` with an id of its own, validated (`RequestError`)."""
         params = params or SamplingParams()
         prompt = [int(t) for t in prompt_ids]
         self._validate(prompt, params)
+        request_id = next(self._ids)
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else torch.seed()
             generator = torch.Generator().manual_seed(seed)
-        return _Request(next(self._ids), prompt, params, time.monotonic(), generator)
+        request = _Request(request_id, prompt, params, time.monotonic(), generator)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
+        self._requests[request_id] = request
+        self._waiting.append(request)
+        return request_id
 
     def _prompt_logprobs(self, prompt: list[int], top: int) -> tuple[TokenLogprob, ...]:
         """Each prompt token's log-probability after the ones before it, from one dense pass

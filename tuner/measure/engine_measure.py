@@ -516,22 +516,14 @@ def _prompt(engine: Engine, rng: np.random.Generator, length: int) -> list[int]:
 
 
 def _start(engine: Engine, rng: np.random.Generator, count: int, context: int, steps: int):
-    """Admit `count` requests at `context` tokens, each with a prompt of its own (no shared
-    blocks), as though their prompts had been computed (`Engine.admit_uncomputed`: their
-    K/V random), to decode `steps` more steps."""
-    import torch
-
+    """Admit `count` requests of `context`-token prompts, each its own (no shared blocks),
+    that decode `steps` more steps."""
     from blocktune.runtime.engine import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    generator = torch.Generator().manual_seed(int(rng.integers(2**62)))
-    vocab = engine.model.config.vocab_size
-    return [
-        engine.admit_uncomputed(
-            _prompt(engine, rng, context), params, int(rng.integers(vocab)), generator
-        )
-        for _ in range(count)
-    ]
+    ids = [engine.add_request(_prompt(engine, rng, context), params) for _ in range(count)]
+    engine.step()
+    return ids
 
 
 def _timed_step(engine: Engine, timer: Callable[[], float]) -> float:
@@ -563,12 +555,8 @@ def warm_up_model(model: LlamaModel, backend: str) -> None:
 
 
 def _warm_up(engine: Engine, rng: np.random.Generator) -> None:
-    """Prefill two short prompts and decode `WARMUP_STEPS` steps, untimed."""
-    from blocktune.runtime.engine import SamplingParams
-
-    params = SamplingParams(max_tokens=WARMUP_STEPS + 2, ignore_eos=True)
-    ids = [engine.add_request(_prompt(engine, rng, 8), params) for _ in range(2)]
-    for _ in range(WARMUP_STEPS + 1):
+    ids = _start(engine, rng, 2, 8, WARMUP_STEPS)
+    for _ in range(WARMUP_STEPS):
         engine.step()
     for request_id in ids:
         engine.cancel(request_id)
@@ -626,14 +614,14 @@ def _decode_point(
     """A decode batch of `long` requests at `context` and `short` at the grid's shortest."""
     size, shortest = engine.block_size, min(grid.context_lens)
     lifetime = SETTLE_STEPS + grid.repeats
-    ids = _start(engine, rng, short, shortest, lifetime) if short else []
+    ids = _start(engine, rng, short, shortest, lifetime + 1) if short else []
     ids += _start(engine, rng, long, context, lifetime)
     for _ in range(SETTLE_STEPS):
         engine.step()
     steps = []
     for j in range(grid.repeats):
         grown = SETTLE_STEPS + 1 + j  # tokens each request gained since its admission
-        low, high = shortest + grown, context + grown
+        low, high = shortest + grown + 1, context + grown  # the short ones started a step early
         tokens = short * low + long * high
         blocks = short * blocks_for(low, size) + long * blocks_for(high, size)
         seconds = _timed_step(engine, timer)
