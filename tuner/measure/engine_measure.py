@@ -26,7 +26,13 @@ a prompt share its blocks (prefix caching), and a decode step that reads the
 same blocks for every request finds them in the CPU's caches, where served
 requests each read their own (24 requests at 1000 tokens, one thread: about
 5-8 ms a step shared, 10-11 ms each with its own). The first steps of every
-engine are run untimed (allocation and warm-up).
+engine are run untimed (allocation and warm-up). A decode point prefills its
+prompts, though only its decode steps are timed: its timed steps, 6-10 steps
+after that prefill, are in the state a busy server's decodes are in after
+admissions. Admitting the requests with random K/V instead made SmolLM2's grid
+twice as fast, but left tiny-random's predicted TPOT p99 on the Azure lengths
+21-36% low in three runs, where the prefilled grid's was within 20% in four
+(bench/results/2026-12-07-calibration-fidelity.md).
 
 `grid_for_lengths` fits a grid to a workload: prefill chunks up to its longest
 prompt and decode contexts up to its longest request (within the model's
