@@ -31,7 +31,7 @@ prompts, though only its decode steps are timed: its timed steps, 6-10 steps
 after that prefill, are in the state a busy server's decodes are in after
 admissions. Admitting the requests with random K/V instead made SmolLM2's grid
 twice as fast, but left tiny-random's predicted TPOT p99 on the Azure lengths
-21-36% low in three runs, where the prefilled grid's was within 20% in four
+21-36% low in three runs, where the prefilled grid's was 7-20% off in four
 (bench/results/2026-12-07-calibration-fidelity.md).
 
 `grid_for_lengths` fits a grid to a workload: prefill chunks up to its longest
