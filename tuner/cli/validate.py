@@ -69,7 +69,9 @@ def run_validate(args: argparse.Namespace) -> int:
     from blocktune.tuner.sim.workload import Workload
 
     def progress(message: str) -> None:
-        print(f"validate: {message}", file=sys.stderr, flush=True)
+        from tqdm import tqdm
+
+        tqdm.write(f"validate: {message}", file=sys.stderr)  # above the live runs' bar
 
     try:
         measurement_defaults(args, args.device)

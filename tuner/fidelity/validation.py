@@ -38,7 +38,9 @@ is None). The live runs go round-robin over the block sizes (run i of every size
 before run i + 1 of any), so drift of the machine shows as run-to-run noise, not
 as a block-size effect;
 with `jobs` above 1 they are served by that many worker processes at once
-(`tuner.measure.processes`). Each live engine is freed before its process
+(`tuner.measure.processes`), and a tqdm bar follows them through their output
+tokens (each run reports every `LIVE_REPORT_FRACTION`, through a queue the
+worker processes share with this one). Each live engine is freed before its process
 builds the next, so at most `jobs` pools are allocated at a time.
 
 Near saturation a small error in the step price becomes a large one in the
@@ -99,6 +101,11 @@ tokens/s follows the arrivals, live runs repeat it exactly and block sizes diffe
 RANK_CONFIDENCE = 0.95
 """The confidence at which two block sizes' measured means must differ to be compared: the
 chance that two sizes the engine serves alike are compared is 1 - this, per pair."""
+
+
+LIVE_REPORT_FRACTION = 0.01
+"""A live run reports its progress to the live runs' bar each time it has served this much
+more of its output tokens."""
 
 
 SENSITIVITY_SCALE = 1.1
@@ -288,6 +295,7 @@ def validate(
     jobs: int = 1,
     interleave: InterleavedGrid | None = None,
     progress: Callable[[str], None] = lambda _: None,
+    live_bar: bool | None = None,
 ) -> Validation:
     """Serve `workload` live `runs` times and simulated once per block size (module doc).
     Requests longer than the smallest pool or the model's positions are left out.
@@ -296,7 +304,8 @@ def validate(
     of their scheduling). `jobs` worker processes serve the live runs at once (1: here,
     one after another). With `interleave`, the calibration's engine section is measured
     between the live runs' steps (and replaces any it has). Raises `CalibrationError` for
-    a calibration that cannot price the model or a block size."""
+    a calibration that cannot price the model or a block size. A tqdm bar follows the live
+    runs through their output tokens (`live_bar`: None shows it where stderr is a terminal)."""
     import torch
 
     from blocktune.tuner.measure.engine_measure import (
@@ -327,29 +336,32 @@ def validate(
     # noise rather than as a difference between block sizes.
     order = [b for _ in range(runs) for b in sizes]
     tasks = [
-        _LiveTask(b, None if interleave is None else (i, len(order))) for i, b in enumerate(order)
+        _LiveTask(i, b, None if interleave is None else (i, len(order)))
+        for i, b in enumerate(order)
     ]
     grid = None if interleave is None else interleave.grid
     backend = calibration.provenance.backend
     where = "" if grid is None else f", timing {grid.num_points} grid points between their steps"
     progress(f"{len(order)} live runs, {runs} per block size, in {jobs} process(es){where}")
-    served_runs = map_in_processes(
-        partial(
-            _live_run,
-            model,
-            StepCostModel(served, calibration),
-            kept,
-            step_s,
-            clock,
-            seed,
-            grid,
-            backend,
-        ),
-        tasks,
-        jobs=jobs,
-        threads=torch.get_num_threads(),
-        done=lambda finished, total: progress(f"live run {finished} of {total} done"),
-    )
+    with _LiveRunsBar(len(order), jobs, live_bar) as bar:
+        served_runs = map_in_processes(
+            partial(
+                _live_run,
+                model,
+                StepCostModel(served, calibration),
+                kept,
+                step_s,
+                clock,
+                seed,
+                grid,
+                backend,
+                bar.reports,
+            ),
+            tasks,
+            jobs=jobs,
+            threads=torch.get_num_threads(),
+            done=lambda finished, total: progress(f"live run {finished} of {total} done"),
+        )
     measured = [metrics for metrics, _ in served_runs]
     if interleave is not None:
         steps = [step for _, timed in served_runs for step in timed]
@@ -449,11 +461,68 @@ def _matching_scale(tpot_p50: Callable[[float], float], target: float) -> float 
 
 @dataclass(frozen=True)
 class _LiveTask:
-    """One live run: its block size and, where the calibration is measured between its
-    steps, its share of the grid's points (its number and how many runs share them)."""
+    """One live run: its number, its block size and, where the calibration is measured
+    between its steps, its share of the grid's points (its number and how many runs share
+    them)."""
 
+    number: int
     block_size: int
     grid_share: tuple[int, int] | None
+
+
+class _LiveRunsBar:
+    """A tqdm bar over the live runs (each counts 1 when all its output tokens are served),
+    fed by the runs' reports of (run number, fraction served) through `reports`: a queue
+    that worker processes can put to, or None where the bar is not shown (`show` None: where
+    stderr is not a terminal), and the runs report nothing."""
+
+    def __init__(self, runs: int, jobs: int, show: bool | None) -> None:
+        import queue
+        import sys
+
+        from tqdm import tqdm
+
+        self._bar = tqdm(
+            total=runs,
+            desc="live runs",
+            unit="run",
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.2f}/{total} [{elapsed}<{remaining}]",
+            disable=not sys.stderr.isatty() if show is None else not show,
+        )
+        self._manager = None
+        self.reports = None
+        if not self._bar.disable:
+            if jobs > 1:
+                import multiprocessing
+
+                self._manager = multiprocessing.get_context("spawn").Manager()
+                self.reports = self._manager.Queue()
+            else:
+                self.reports = queue.Queue()
+        self._served: dict[int, float] = {}
+        self._thread = None
+
+    def __enter__(self) -> _LiveRunsBar:
+        import threading
+
+        if self.reports is not None:
+            self._thread = threading.Thread(target=self._follow, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self._thread is not None:
+            self.reports.put(None)
+            self._thread.join()
+        if self._manager is not None:
+            self._manager.shutdown()
+        self._bar.close()
+
+    def _follow(self) -> None:
+        while (report := self.reports.get()) is not None:
+            number, fraction = report
+            self._bar.update(fraction - self._served.get(number, 0.0))
+            self._served[number] = fraction
 
 
 def _live_run(
@@ -465,11 +534,14 @@ def _live_run(
     seed: int,
     grid: EngineGrid | None,
     backend: str,
+    reports,
     task: _LiveTask,
 ) -> tuple[ServedMetrics, list[TimedStep]]:
     """One live run of `workload` at the task's block size, timing its share of `grid`'s
-    points between its steps; its engines and pools are freed on return. The model is warm
-    before the first live step (`GridTimer`'s engines warm it, or `warm_up_model`)."""
+    points between its steps and putting (its number, fraction of the output tokens served)
+    to `reports` (a queue, or None) every `LIVE_REPORT_FRACTION`; its engines and pools are
+    freed on return. The model is warm before the first live step (`GridTimer`'s engines
+    warm it, or `warm_up_model`)."""
     from blocktune.tuner.measure.engine_measure import STEP_CLOCKS, GridTimer, warm_up_model
 
     timer = None
@@ -479,6 +551,16 @@ def _live_run(
         timer = GridTimer(model, grid, backend, clock, seed, share)
     else:
         warm_up_model(model, backend)
+    reported = 0.0
+
+    def between(fraction: float) -> None:
+        nonlocal reported
+        if timer is not None:
+            timer.time_until(fraction)
+        if reports is not None and (fraction == 1 or fraction >= reported + LIVE_REPORT_FRACTION):
+            reports.put((task.number, fraction))
+            reported = fraction
+
     engine = _engine(model, server, task.block_size, workload)
     live = serve_live(
         engine,
@@ -486,7 +568,7 @@ def _live_run(
         step_s=step_s,
         timer=STEP_CLOCKS[clock],
         seed=seed,
-        between=None if timer is None else timer.time_until,
+        between=between,
     )
     del engine  # free this pool before the next one is allocated
     steps = [] if timer is None else timer.close()

@@ -317,6 +317,40 @@ def test_live_runs_in_two_processes_measure_what_one_process_does(model):
         assert alone.predicted == alone.measured_runs[0]
 
 
+@pytest.mark.parametrize("jobs", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_a_bar_follows_the_live_runs_through_their_output_tokens(model, capsys, jobs):
+    """A validation of SmolLM2 serves its live runs for 15-40 minutes: a bar shows how far
+    they are (quiet where stderr is not a terminal), fed from the worker processes."""
+    from blocktune.tuner.fidelity.validation import validate
+
+    workload = _workload([0.0, 0.5, 1.0], [5, 9, 30], [40, 40, 40])
+    args = (workload, _two_sizes(), model, analytic_calibration(), (8, 16))
+    validate(*args, step_s=STEP_S, jobs=jobs, live_bar=True)
+    shown = capsys.readouterr().err
+    assert "live runs: 100%" in shown and "4.00/4" in shown
+    validate(*args, step_s=STEP_S, jobs=jobs)  # stderr is not a terminal here
+    assert "live runs" not in capsys.readouterr().err
+
+
+def test_a_live_run_reports_each_percent_of_its_output_tokens_it_serves(model):
+    import queue
+
+    from blocktune.tuner.fidelity import validation
+
+    workload = _workload([0.0, 0.5, 1.0], [5, 9, 30], [40, 40, 40])
+    server = StepCostModel(_two_sizes(), analytic_calibration(), fixed_step_s=STEP_S)
+    reports = queue.Queue()
+    task = validation._LiveTask(3, 8, None)
+    validation._live_run(model, server, workload, STEP_S, "wall", 0, None, "torch", reports, task)
+    seen = [reports.get_nowait() for _ in range(reports.qsize())]
+    assert {number for number, _ in seen} == {3}
+    fractions = [fraction for _, fraction in seen]
+    assert fractions[-1] == 1.0 and len(fractions) > 10
+    # Each report at least 1% of the 120 output tokens past the one before.
+    steps = zip(fractions[:-2], fractions[1:-1], strict=True)  # the last comes at 1 whatever
+    assert all(b - a >= validation.LIVE_REPORT_FRACTION for a, b in steps)
+
+
 def test_the_step_sensitivity_finds_the_step_scale_that_matches_the_measured_tpot():
     from dataclasses import replace
 
