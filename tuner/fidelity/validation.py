@@ -521,8 +521,9 @@ class _LiveRunsBar:
     def _follow(self) -> None:
         while (report := self.reports.get()) is not None:
             number, fraction = report
-            self._bar.update(fraction - self._served.get(number, 0.0))
             self._served[number] = fraction
+            self._bar.n = sum(self._served.values())  # not summed deltas: a full bar at the end
+            self._bar.refresh()
 
 
 def _live_run(
