@@ -336,8 +336,7 @@ def validate(
     # noise rather than as a difference between block sizes.
     order = [b for _ in range(runs) for b in sizes]
     tasks = [
-        _LiveTask(i, b, None if interleave is None else (i, len(order)))
-        for i, b in enumerate(order)
+        _LiveTask(i, b, None if interleave is None else len(order)) for i, b in enumerate(order)
     ]
     grid = None if interleave is None else interleave.grid
     backend = calibration.provenance.backend
@@ -462,12 +461,12 @@ def _matching_scale(tpot_p50: Callable[[float], float], target: float) -> float 
 @dataclass(frozen=True)
 class _LiveTask:
     """One live run: its number, its block size and, where the calibration is measured
-    between its steps, its share of the grid's points (its number and how many runs share
-    them)."""
+    between its steps, how many runs share the grid's points (its share: every
+    `grid_sharers`-th point from its number on)."""
 
     number: int
     block_size: int
-    grid_share: tuple[int, int] | None
+    grid_sharers: int | None
 
 
 class _LiveRunsBar:
@@ -546,9 +545,8 @@ def _live_run(
     from blocktune.tuner.measure.engine_measure import STEP_CLOCKS, GridTimer, warm_up_model
 
     timer = None
-    if grid is not None and task.grid_share is not None:
-        number, sharers = task.grid_share
-        share = (number, range(number, grid.num_points, sharers))
+    if grid is not None and task.grid_sharers is not None:
+        share = (task.number, range(task.number, grid.num_points, task.grid_sharers))
         timer = GridTimer(model, grid, backend, clock, seed, share)
     else:
         warm_up_model(model, backend)
