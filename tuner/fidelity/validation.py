@@ -23,7 +23,12 @@ so then only the simulator reuses prefix blocks).
 
 `BlockSizeCheck` holds the predicted and the measured metrics; the relative
 error is predicted / measured - 1 (against the mean of the live runs), and its
-noise is the spread of the live runs relative to their mean. Both sides rank
+noise is the spread of the live runs relative to their mean. A calibration
+measured between the live runs also has a noise of its own: each block size is
+predicted again with `CALIBRATION_DRAWS` of the fit's refits on resampled
+timing moments (`tuner.measure.step_fit`), and their relative standard
+deviation is how far another validation's calibration, timed at other moments
+of the same machine, would move the prediction. Both sides rank
 the block sizes by each of `RANK_METRICS` (tokens/s, TPOT p50, TTFT p99); per
 metric, a pair of block sizes is compared only where their measured means differ
 beyond the run-to-run noise, by a two-sided t-test at `RANK_CONFIDENCE` on the
@@ -71,7 +76,7 @@ from blocktune.tuner.fidelity.live import serve_live
 from blocktune.tuner.fidelity.served_metrics import HIGHER_IS_BETTER, ServedMetrics
 from blocktune.tuner.measure.engine_measure import EngineGrid
 from blocktune.tuner.measure.processes import map_in_processes
-from blocktune.tuner.measure.step_fit import TimedStep
+from blocktune.tuner.measure.step_fit import TimedStep, fit_steps
 from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
@@ -80,6 +85,7 @@ if TYPE_CHECKING:
     from blocktune.runtime.model import LlamaModel
 
 __all__ = [
+    "CALIBRATION_DRAWS",
     "RANK_CONFIDENCE",
     "RANK_METRICS",
     "BlockSizeCheck",
@@ -101,7 +107,10 @@ tokens/s follows the arrivals, live runs repeat it exactly and block sizes diffe
 RANK_CONFIDENCE = 0.95
 """The confidence at which two block sizes' measured means must differ to be compared: the
 chance that two sizes the engine serves alike are compared is 1 - this, per pair."""
-
+CALIBRATION_DRAWS = 16
+"""Refits of a calibration measured between the live runs (`StepFit.replicates`) that every
+block size is predicted with again: the spread of those predictions is the calibration's own
+noise on them."""
 
 LIVE_REPORT_FRACTION = 0.01
 """A live run reports its progress to the live runs' bar each time it has served this much
@@ -139,12 +148,14 @@ class StepSensitivity:
 
 @dataclass(frozen=True)
 class BlockSizeCheck:
-    """One block size: the simulator's prediction and the live runs."""
+    """One block size: the simulator's prediction, the live runs and, where the calibration
+    was measured between them, the predictions with its refits (`predicted_draws`)."""
 
     block_size: int
     predicted: ServedMetrics
     measured_runs: tuple[ServedMetrics, ...]
     sensitivity: StepSensitivity | None = None
+    predicted_draws: tuple[ServedMetrics, ...] = ()
 
     @property
     def measured(self) -> ServedMetrics:
@@ -156,6 +167,15 @@ class BlockSizeCheck:
         if predicted == measured:
             return 0.0
         return predicted / measured - 1 if measured else math.nan
+
+    def calibration_noise(self, metric: str) -> float:
+        """The standard deviation of the predictions with the calibration's refits, relative
+        to the prediction (nan with fewer than two, or a zero prediction)."""
+        values = [getattr(d, metric) for d in self.predicted_draws]
+        predicted = getattr(self.predicted, metric)
+        if len(values) < 2 or not predicted:
+            return math.nan
+        return float(np.std(values, ddof=1)) / abs(predicted)
 
     def noise(self, metric: str) -> float:
         """Spread of the live runs over their mean (nan with one run or a zero mean)."""
@@ -278,8 +298,17 @@ class Validation:
 
     def median_abs_error(self, metric: str) -> float:
         """The median over block sizes of |relative error| of `metric` (nan if none exists)."""
-        errors = [abs(c.error(metric)) for c in self.checks if not math.isnan(c.error(metric))]
-        return float(np.median(errors)) if errors else math.nan
+        return _median([abs(c.error(metric)) for c in self.checks])
+
+    def median_calibration_noise(self, metric: str) -> float:
+        """The median over block sizes of the calibration's noise on `metric` (nan without
+        refits)."""
+        return _median([c.calibration_noise(metric) for c in self.checks])
+
+
+def _median(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return float(np.median(kept)) if kept else math.nan
 
 
 def validate(
@@ -362,14 +391,15 @@ def validate(
             done=lambda finished, total: progress(f"live run {finished} of {total} done"),
         )
     measured = [metrics for metrics, _ in served_runs]
+    draws: list[StepCostModel] = []
     if interleave is not None:
-        steps = [step for _, timed in served_runs for step in timed]
+        fit = fit_steps([step for _, timed in served_runs for step in timed], seed=seed)
         engine = fitted_engine_calibration(
             model,
             interleave.model_name,
             interleave.grid,
             backend,
-            steps,
+            fit,
             clock=clock,
             how=(
                 f"by `blocktune validate`, between the steps of {len(order)} live runs in "
@@ -379,6 +409,13 @@ def validate(
         for line in describe_fit(engine):
             progress(line)
         calibration = calibration.with_engine(engine)
+        if step_s is None:
+            draws = [
+                StepCostModel(
+                    served, calibration.with_engine(engine.model_copy(update={"steps": refit}))
+                )
+                for refit in fit.replicates[:CALIBRATION_DRAWS]
+            ]
     server = StepCostModel(served, calibration, step_s)
     checks = []
     for b in sizes:
@@ -387,7 +424,10 @@ def validate(
         runs_of_b = tuple(m for size, m in zip(order, measured, strict=True) if size == b)
         progress(f"B={b}: the prediction's sensitivity to the step time")
         sensitivity = step_sensitivity(kept, server, b, predicted, ServedMetrics.mean(runs_of_b))
-        checks.append(BlockSizeCheck(b, predicted, runs_of_b, sensitivity))
+        if draws:
+            progress(f"B={b}: predicting with {len(draws)} refits of the calibration")
+        again = tuple(ServedMetrics.predicted(kept, d, b, seed=seed) for d in draws)
+        checks.append(BlockSizeCheck(b, predicted, runs_of_b, sensitivity, again))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
     setup = {
         "kv_budget_bytes": int(served.kv_budget),
@@ -397,6 +437,7 @@ def validate(
             calibration.engine.block_size_verdict() if calibration.engine is not None else None
         ),
         "runs": runs,
+        "calibration_draws": len(draws),
         "prediction": ServedMetrics.prediction_method(server, seed),
     }
     return Validation(trace=trace, setup=setup, checks=checks, calibration=calibration)

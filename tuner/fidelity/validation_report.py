@@ -1,9 +1,11 @@
 """The fidelity check as a fixed-width table and as JSON.
 
 The JSON object is ``{"trace", "setup", "results", "rankings",
-"median_abs_error"}``; each result has ``block_size``, ``predicted`` and
-``measured`` (the mean of the live runs), each with the keys of `METRICS`,
-plus ``measured_runs``, ``relative_error`` and ``noise`` per metric.
+"median_abs_error", "median_calibration_noise"}``; each result has
+``block_size``, ``predicted`` and ``measured`` (the mean of the live runs), each
+with the keys of `METRICS`, plus ``measured_runs``, ``relative_error``,
+``noise`` and ``calibration_noise`` (the relative standard deviation of the
+predictions with the calibration's refits) per metric.
 ``rankings`` has per metric of `RANK_METRICS` both orders (``predicted``,
 ``measured``, best first), ``compared_pairs`` (pairs beyond the noise),
 ``agreeing_pairs``, ``predicted_ties`` (compared pairs the prediction prices
@@ -67,6 +69,7 @@ def validation_dict(validation: Validation) -> dict:
             "measured_runs": [asdict(r) for r in c.measured_runs],
             "relative_error": {m: c.error(m) for m in METRICS},
             "noise": {m: c.noise(m) for m in METRICS},
+            "calibration_noise": {m: c.calibration_noise(m) for m in METRICS},
             "step_sensitivity": None if c.sensitivity is None else asdict(c.sensitivity),
         }
         for c in validation.checks
@@ -88,6 +91,9 @@ def validation_dict(validation: Validation) -> dict:
                 for r in validation.rankings
             },
             "median_abs_error": {m: validation.median_abs_error(m) for m in METRICS},
+            "median_calibration_noise": {
+                m: validation.median_calibration_noise(m) for m in METRICS
+            },
         }
     )
 
@@ -103,8 +109,9 @@ def _percent(value: float) -> str:
 
 
 def format_validation_table(validation: Validation) -> str:
-    """Per block size: predicted, measured, relative error and (with 2+ runs) noise rows;
-    then both rankings and the median errors of `GOAL_METRICS`."""
+    """Per block size: predicted, measured, relative error, (with 2+ runs) noise and (with
+    the calibration's refits) its noise rows; then both rankings and the median errors of
+    `GOAL_METRICS` (and the calibration's median noise on them)."""
     widths = [max(9, len(_HEADINGS[m][0]) + 1) for m in METRICS]
     lines = [
         f"{'B':>4}  {'':<9}"
@@ -120,6 +127,10 @@ def format_validation_table(validation: Validation) -> str:
         ]
         if len(check.measured_runs) > 1:
             rows.append(("noise", [_percent(check.noise(m)).lstrip("+") for m in METRICS]))
+        if check.predicted_draws:
+            rows.append(
+                ("calib SD", [_percent(check.calibration_noise(m)).lstrip("+") for m in METRICS])
+            )
         for i, (label, cells) in enumerate(rows):
             size = str(check.block_size) if i == 0 else ""
             lines.append(
@@ -133,6 +144,13 @@ def format_validation_table(validation: Validation) -> str:
     lines += [format_ranking(r, one_run=one_run) for r in validation.rankings]
     medians = {m: validation.median_abs_error(m) for m in GOAL_METRICS}
     lines.append(f"median |error| over block sizes: {format_median_errors(medians)}")
+    noises = {m: validation.median_calibration_noise(m) for m in GOAL_METRICS}
+    if not all(math.isnan(v) for v in noises.values()):
+        lines.append(
+            "the calibration's own noise (calib SD: the predictions' standard deviation over "
+            f"{validation.setup['calibration_draws']} refits on resampled timing moments), "
+            f"median over block sizes: {format_median_errors(noises)}"
+        )
     return "\n".join(lines)
 
 

@@ -62,7 +62,7 @@ from blocktune.tuner.config.calibration import (
 from blocktune.tuner.config.policy import ModelShape
 from blocktune.tuner.measure.measure import default_grid, measure_calibration, measured_provenance
 from blocktune.tuner.measure.processes import map_in_processes
-from blocktune.tuner.measure.step_fit import TimedStep, fit_steps
+from blocktune.tuner.measure.step_fit import StepFit, TimedStep, fit_steps
 
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine
@@ -269,7 +269,7 @@ def measure_engine(
         name,
         grid,
         backend,
-        steps,
+        fit_steps(steps),
         clock=clock,
         how=f"by `blocktune calibrate --engine`, in {jobs} process(es) at once",
     )
@@ -291,16 +291,15 @@ def fitted_engine_calibration(
     name: str,
     grid: EngineGrid,
     backend: str,
-    steps: list[TimedStep],
+    fit: StepFit,
     *,
     clock: str,
     how: str,
 ) -> EngineCalibration:
-    """The engine calibration of `steps` timed over `grid` (`how` says by what, when and
-    where, for the provenance), fitted jointly across the block sizes."""
+    """The engine calibration holding `fit` (`fit_steps` of the steps timed over `grid`;
+    `how` says by what, when and where, for the provenance)."""
     import torch
 
-    fit = fit_steps(steps)
     return fit.engine_calibration(
         measured_provenance(
             model.device.type,
@@ -359,9 +358,9 @@ class GridTimer:
         sizes = list(self.grid.block_sizes)
         turn = index % len(sizes)  # rotate which size goes first
         for block_size in sizes[turn:] + sizes[:turn]:
-            self.steps += self._points[index](
-                self._engines[block_size], self.grid, self._rng, self._timer
-            )
+            engine = self._engines[block_size]
+            timed = self._points[index](engine, self.grid, self._rng, self._timer)
+            self.steps += [replace(step, moment=index) for step in timed]
 
     def close(self) -> list[TimedStep]:
         """Time what is left of the share, free the engines; the timed steps."""

@@ -13,8 +13,18 @@ keeps the non-negative least squares (`scipy.optimize.nnls`) well conditioned.
 
 Then:
 
-- standard errors: from the weighted residual variance and the pseudo-inverse
-  of the normal matrix, in the coefficients' units;
+- standard errors: robust to what the steps of one timing moment share
+  (`TimedStep.moment`: a grid point's steps at every block size are timed
+  within seconds of each other, so the machine's speed then is in all of them):
+  the residuals are summed per moment in the sandwich estimate (`_fit`). The
+  least squares' own errors, which take every step for a measurement of its
+  own, put SmolLM2's fixed_s at 46.9 ± 0.7 ms where two validations of one
+  trace fitted 46.9 and 53.6 ms;
+- refits: `BOOTSTRAP_FITS` fits of the moments drawn with replacement (each
+  bringing all its steps), kept in `StepFit.replicates`: `blocktune validate`
+  predicts with some of them too, and the spread of those predictions is the
+  calibration's own noise on them (non-negative coefficients, and through the
+  simulator, where a standard error is a linear approximation);
 - B-independence: when no per-size coefficient exceeds `SIGNIFICANCE_SE`
   standard errors, the step time does not depend on B at this grid, and the
   shared terms are refitted without the per-size columns (which become 0);
@@ -24,6 +34,7 @@ Then:
   or long. (Scaling to keep the rows' total time instead lets the few longest
   steps set the factor for all: a grid whose 4083-token prefills took 1.9 s,
   where the form priced them at 0.9 s, doubled every decode step's price.)
+  Every refit is scaled over its own rows alike;
 - the spread: `SPREAD_QUANTILES` quantiles of measured / fitted over all rows
   (mean 1, `EngineCalibration.step_spread`), of which the simulator draws one
   per step.
@@ -46,12 +57,21 @@ from blocktune.tuner.config.calibration import (
     StepCoefficients,
 )
 
-__all__ = ["SPREAD_QUANTILES", "StepFit", "TimedStep", "fit_steps", "predict_step_s"]
+__all__ = [
+    "BOOTSTRAP_FITS",
+    "SPREAD_QUANTILES",
+    "StepFit",
+    "TimedStep",
+    "fit_steps",
+    "predict_step_s",
+]
 
 SPREAD_QUANTILES = 50
 """Quantiles of the step spread a calibration records: the midpoints of equal-probability
 bins (1%, 3%, ..., 99%), so a uniform draw among them has the steps' mean and one outlier
 moves no quantile far."""
+BOOTSTRAP_FITS = 200
+"""Refits on the timing moments drawn with replacement that a fit keeps (module doc)."""
 
 TERMS = tuple(StepCoefficients.model_fields)
 SHARED_TERMS = tuple(t for t in TERMS if t not in PER_SIZE_TERMS)
@@ -59,7 +79,9 @@ SHARED_TERMS = tuple(t for t in TERMS if t not in PER_SIZE_TERMS)
 
 @dataclass(frozen=True)
 class TimedStep:
-    """One measured engine step: its features at `block_size` and its time [s]."""
+    """One measured engine step: its features at `block_size` and its time [s]. Steps of one
+    `moment` were timed together (a grid point's steps at every block size): the standard
+    errors and the refits take them as one measurement; None is a moment of its own."""
 
     block_size: int
     sequences: int
@@ -70,6 +92,7 @@ class TimedStep:
     padded_tokens: int = 0
     prefill_pairs: int = 0
     prompt_chunks: int = 0
+    moment: int | None = None
 
     @property
     def features(self) -> dict[str, float]:
@@ -89,13 +112,15 @@ class TimedStep:
 @dataclass(frozen=True)
 class StepFit:
     """What `fit_steps` found: per block size the coefficients, their standard errors and
-    the residuals; whether the step time depends on B; the spread of measured / fitted."""
+    the residuals; whether the step time depends on B; the spread of measured / fitted; and
+    the `BOOTSTRAP_FITS` refits on resampled moments (per block size their coefficients)."""
 
     coefficients: dict[int, StepCoefficients]
     standard_errors: dict[int, StepCoefficients]
     residuals: dict[int, FitResiduals]
     depends_on_block_size: bool
     spread: tuple[float, ...]
+    replicates: tuple[dict[int, StepCoefficients], ...] = ()
 
     def engine_calibration(
         self, provenance: Provenance, model: EngineModel, *, threads: int, clock: str = "wall"
@@ -120,8 +145,8 @@ def predict_step_s(coefficients: StepCoefficients, step: TimedStep) -> float:
     return float(sum(getattr(coefficients, t) * x for t, x in step.features.items()))
 
 
-def fit_steps(steps: Iterable[TimedStep]) -> StepFit:
-    """The joint fit of the timed steps (see the module doc)."""
+def fit_steps(steps: Iterable[TimedStep], *, seed: int = 0) -> StepFit:
+    """The joint fit of the timed steps (see the module doc); `seed` draws the resamples."""
     rows = list(steps)
     for step in rows:
         if not step.seconds > 0:
@@ -129,20 +154,26 @@ def fit_steps(steps: Iterable[TimedStep]) -> StepFit:
     if not rows:
         raise ValueError("no timed steps to fit")
     sizes = sorted({r.block_size for r in rows})
+    seconds = np.array([r.seconds for r in rows])
+    moments = _moments(rows)
     columns = _columns(sizes, per_size=True)
-    values, errors = _solve(rows, columns)
+    design = _design(rows, columns)
+    values, errors = _fit(design, seconds, moments)
     depends = any(
-        values[c] > SIGNIFICANCE_SE * errors[c] for c in columns if c[0] in PER_SIZE_TERMS
+        value > SIGNIFICANCE_SE * error
+        for (term, _), value, error in zip(columns, values, errors, strict=True)
+        if term in PER_SIZE_TERMS
     )
     if not depends:
         columns = _columns(sizes, per_size=False)
-        values, errors = _solve(rows, columns)
-    coefficients = {b: _coefficients(values, b) for b in sizes}
-    measured = np.array([r.seconds for r in rows])
-    fitted = np.array([predict_step_s(coefficients[r.block_size], r) for r in rows])
-    scale = float(np.mean(measured / fitted))  # measured / fitted is 1 on average
-    coefficients = {b: _scaled(c, scale) for b, c in coefficients.items()}
-    ratio = measured / (fitted * scale)
+        design = _design(rows, columns)
+        values, errors = _fit(design, seconds, moments)
+    rng = np.random.default_rng(seed)
+    refits = []
+    for _ in range(BOOTSTRAP_FITS):
+        drawn = np.concatenate([moments[k] for k in rng.integers(0, len(moments), len(moments))])
+        refits.append(_fit(design[drawn], seconds[drawn])[0])
+    ratio = seconds / (design @ values)
     residuals = {}
     for b in sizes:
         relative = 1 / ratio[[r.block_size == b for r in rows]] - 1
@@ -154,12 +185,21 @@ def fit_steps(steps: Iterable[TimedStep]) -> StepFit:
     spread = np.quantile(ratio, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
     spread /= spread.mean()  # the quantiles' mean is the ratios' up to binning
     return StepFit(
-        coefficients=coefficients,
-        standard_errors={b: _scaled(_coefficients(errors, b), scale) for b in sizes},
+        coefficients={b: _coefficients(columns, values, b) for b in sizes},
+        standard_errors={b: _coefficients(columns, errors, b) for b in sizes},
         residuals=residuals,
         depends_on_block_size=depends,
         spread=tuple(float(q) for q in spread),
+        replicates=tuple({b: _coefficients(columns, r, b) for b in sizes} for r in refits),
     )
+
+
+def _moments(rows: list[TimedStep]) -> list[np.ndarray]:
+    """The rows' indices grouped by timing moment (a row without one is a group of its own)."""
+    groups: dict[object, list[int]] = {}
+    for i, row in enumerate(rows):
+        groups.setdefault(("row", i) if row.moment is None else row.moment, []).append(i)
+    return [np.array(g) for g in groups.values()]
 
 
 def _columns(sizes: list[int], *, per_size: bool) -> list[tuple[str, int | None]]:
@@ -170,43 +210,49 @@ def _columns(sizes: list[int], *, per_size: bool) -> list[tuple[str, int | None]
     return columns
 
 
-def _solve(rows: list[TimedStep], columns: list[tuple[str, int | None]]) -> tuple[dict, dict]:
-    """Non-negative least squares of the relative error: coefficient and standard error per
-    column."""
-    from scipy.optimize import nnls
-
-    seconds = np.array([r.seconds for r in rows])
-    design = np.array(
+def _design(rows: list[TimedStep], columns: list[tuple[str, int | None]]) -> np.ndarray:
+    """Each row's feature per column (a per-size column's is 0 at other block sizes)."""
+    return np.array(
         [
             [r.features[t] if b is None or b == r.block_size else 0.0 for t, b in columns]
             for r in rows
         ]
     )
-    design /= seconds[:, None]
-    scale = np.abs(design).max(axis=0)
+
+
+def _fit(
+    design: np.ndarray, seconds: np.ndarray, moments: list[np.ndarray] | None = None
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """The coefficient per column: non-negative least squares of the relative error (columns
+    scaled to unit maximum), scaled so that measured / fitted is 1 on average over the rows;
+    with `moments`, also each coefficient's standard error, robust to errors shared within a
+    moment: the sandwich (X'X)^-1 (sum over moments of X_m' r_m r_m' X_m) (X'X)^-1 of the
+    scaled relative design X and residuals r, times m / (m - 1) for m moments."""
+    from scipy.optimize import nnls
+
+    relative = design / seconds[:, None]
+    scale = np.abs(relative).max(axis=0)
     scale[scale == 0] = 1.0
-    scaled = design / scale
-    solution, _ = nnls(scaled, np.ones(len(rows)))
+    scaled = relative / scale
+    solution, _ = nnls(scaled, np.ones(len(seconds)))
+    factor = float(np.mean(seconds / (design @ (solution / scale))))
+    if moments is None:
+        return solution / scale * factor, None
     residual = scaled @ solution - 1
-    dof = max(1, len(rows) - int(np.count_nonzero(solution)))
-    variance = float(residual @ residual) / dof
-    covariance = variance * np.linalg.pinv(scaled.T @ scaled)
+    bread = np.linalg.pinv(scaled.T @ scaled)
+    scores = np.array([scaled[m].T @ residual[m] for m in moments])
+    count = len(moments)
+    meat = scores.T @ scores * (count / (count - 1) if count > 1 else 1.0)
+    covariance = bread @ meat @ bread
     errors = np.sqrt(np.clip(np.diag(covariance), 0, None)) / scale
-    return (
-        dict(zip(columns, (solution / scale).tolist(), strict=True)),
-        dict(zip(columns, errors.tolist(), strict=True)),
-    )
+    return solution / scale * factor, errors * factor
 
 
-def _coefficients(values: dict, block_size: int) -> StepCoefficients:
+def _coefficients(
+    columns: list[tuple[str, int | None]], values: np.ndarray, block_size: int
+) -> StepCoefficients:
     """The coefficients at `block_size` from per-column values (absent per-size terms: 0)."""
+    by_column = dict(zip(columns, values.tolist(), strict=True))
     return StepCoefficients(
-        **{
-            t: values.get((t, None), values.get((t, block_size), 0.0))
-            for t in StepCoefficients.model_fields
-        }
+        **{t: by_column.get((t, None), by_column.get((t, block_size), 0.0)) for t in TERMS}
     )
-
-
-def _scaled(coefficients: StepCoefficients, factor: float) -> StepCoefficients:
-    return StepCoefficients(**{t: v * factor for t, v in coefficients})

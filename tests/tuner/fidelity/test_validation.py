@@ -6,6 +6,8 @@ preempt and finish the same requests at the same instants. Neither side chunks p
 here.
 """
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -17,7 +19,11 @@ from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.live import prompt_ids, serve_live
 from blocktune.tuner.fidelity.served_metrics import ServedMetrics
 from blocktune.tuner.fidelity.validation import RANK_METRICS, BlockSizeCheck, Validation
-from blocktune.tuner.fidelity.validation_report import format_ranking, validation_dict
+from blocktune.tuner.fidelity.validation_report import (
+    format_ranking,
+    format_validation_table,
+    validation_dict,
+)
 from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
@@ -536,3 +542,26 @@ def test_an_interleaved_grid_is_timed_between_the_live_runs_steps_and_prices_the
     assert {b: r.points for b, r in engine.residuals.items()} == {8: timed, 16: timed}
     assert result.setup["calibration"] == result.calibration.describe()
     assert result.setup["block_size_effect"] == engine.block_size_verdict()
+    # Each size is predicted again with the fit's refits on resampled grid points: their
+    # spread is the calibration's own noise, shown beside the run-to-run noise.
+    assert result.setup["calibration_draws"] == validation.CALIBRATION_DRAWS
+    for check in result.checks:
+        assert len(check.predicted_draws) == validation.CALIBRATION_DRAWS
+        tpot = [d.tpot_p50_s for d in check.predicted_draws]
+        assert len(set(tpot)) > 1
+        expected = np.std(tpot, ddof=1) / check.predicted.tpot_p50_s
+        assert check.calibration_noise("tpot_p50_s") == pytest.approx(expected)
+    noise = result.median_calibration_noise("tpot_p50_s")
+    assert 0 < noise < 1
+    table = format_validation_table(result)
+    assert table.count("calib SD") == 3  # a row per block size and the summary
+    assert f"TPOT p50 {noise:.1%}" in table.splitlines()[-1]
+    assert validation_dict(result)["median_calibration_noise"]["tpot_p50_s"] == noise
+
+
+def test_a_calibration_given_to_validate_has_no_noise_of_its_own_to_report():
+    check = BlockSizeCheck(8, _metrics(1.0, 0.01, 0.1), (_metrics(1.0, 0.01, 0.1),) * 2)
+    assert math.isnan(check.calibration_noise("tpot_p50_s"))
+    result = Validation(trace={}, setup={"runs": 2}, checks=[check])
+    assert "calib SD" not in format_validation_table(result)
+    assert validation_dict(result)["results"][0]["calibration_noise"]["tpot_p50_s"] is None
