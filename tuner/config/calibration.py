@@ -194,9 +194,13 @@ class EngineCalibration(_Frozen):
     `PER_SIZE_TERMS` per block size, the others once across all sizes.
 
     `standard_errors` holds each coefficient's standard error (same layout as `steps`);
+    `size_scales` holds, per block size, the time of its steps over the form's with the
+    shared terms, from the grid's points timed at every size in one moment, where some size
+    is beyond `SIGNIFICANCE_SE` standard errors of 1 (its `steps` are then scaled by it);
     `depends_on_block_size` is False when every per-size term was within
-    `SIGNIFICANCE_SE` standard errors of 0, and the per-size terms are then 0 (the shared
-    terms refitted without them), so every size costs the same time; `step_spread` holds
+    `SIGNIFICANCE_SE` standard errors of 0 and no size had a scale of its own, and the
+    per-size terms are then 0 (the shared terms refitted without them), so every size costs
+    the same time; `step_spread` holds
     quantiles of measured / fitted over the timed steps at the midpoints of equal-probability
     bins, scaled to mean 1, of which the simulator draws one per step as a factor. The three
     are absent in calibrations written before joint fits."""
@@ -212,12 +216,15 @@ class EngineCalibration(_Frozen):
     standard_errors: dict[int, StepCoefficients] | None = None
     depends_on_block_size: bool | None = None
     step_spread: tuple[float, ...] = ()
+    size_scales: dict[int, float] | None = None
 
     @model_validator(mode="after")
     def _residuals_per_block_size(self) -> EngineCalibration:
         covered = [("residuals", self.residuals)]
         if self.standard_errors is not None:
             covered.append(("standard_errors", self.standard_errors))
+        if self.size_scales is not None:
+            covered.append(("size_scales", self.size_scales))
         for name, section in covered:
             if set(self.steps) != set(section):
                 raise ValueError(
@@ -240,8 +247,11 @@ class EngineCalibration(_Frozen):
             return "fitted per block size (a calibration before joint fits)"
         if not self.depends_on_block_size:
             return B_INDEPENDENT
-        terms = ", ".join(PER_SIZE_TERMS)
-        return f"the step time depends on B ({terms} beyond {SIGNIFICANCE_SE:g} standard errors)"
+        what = ", ".join(PER_SIZE_TERMS)
+        if self.size_scales is not None:
+            scales = ", ".join(f"{s:.3f}x at B={b}" for b, s in sorted(self.size_scales.items()))
+            what = f"{what} or the sizes' scales ({scales})"
+        return f"the step time depends on B ({what} beyond {SIGNIFICANCE_SE:g} standard errors)"
 
     def require_model(self, shape: ModelShape) -> None:
         """Raise `CalibrationError` unless `shape` is the model these steps were timed on."""
@@ -320,7 +330,7 @@ class Calibration(_Frozen):
         if "engine" in data:
             sections += [
                 (data["engine"], key)
-                for key in ("steps", "residuals", "standard_errors")
+                for key in ("steps", "residuals", "standard_errors", "size_scales")
                 if key in data["engine"]
             ]
         for parent, key in sections:

@@ -457,8 +457,9 @@ def measure_model_kernels(
 
 
 def describe_fit(engine: EngineCalibration) -> list[str]:
-    """The fit in words: per block size its residuals and per-size terms with their standard
-    errors, the shared terms with theirs, and whether the step time depends on B."""
+    """The fit in words: per block size its residuals, per-size terms with their standard
+    errors and its scale (where the sizes have their own), the shared terms with theirs (at
+    the smallest size), and whether the step time depends on B."""
     from blocktune.tuner.config.calibration import PER_SIZE_TERMS, StepCoefficients
 
     errors = engine.standard_errors or {}
@@ -468,6 +469,8 @@ def describe_fit(engine: EngineCalibration) -> list[str]:
             _with_error(term, engine.steps[block_size], errors.get(block_size))
             for term in PER_SIZE_TERMS
         )
+        if engine.size_scales is not None:
+            own += f", scale {engine.size_scales[block_size]:.3f}"
         lines.append(
             f"step fit at B={block_size}: {fit.points} steps, relative residual rms "
             f"{fit.rms_relative:.1%}, max {fit.max_relative:.1%}; {own}"

@@ -1,6 +1,8 @@
 """Fitting the simulator's step form to timed steps: one set of shared terms across block sizes,
 per-size terms only where the data shows them, standard errors, the total kept, the spread."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -166,6 +168,42 @@ def test_steps_timed_in_one_moment_count_as_one_measurement_in_the_standard_erro
     assert naive_dependence >= 3  # 6 of 30
     assert fit_steps(in_moments).replicates == fit.replicates  # seeded
     assert fit_steps(in_moments, seed=1).replicates != fit.replicates
+
+
+def _points_at_every_size(truths, noise, seed):
+    """The grid's steps timed point by point at every size in one moment (as `GridTimer`
+    does): each point's steps share a lognormal speed factor of sigma `noise`."""
+    rng = np.random.default_rng(seed)
+    grids = {b: _grid(b, truth) for b, truth in truths.items()}
+    steps = []
+    for point in range(len(grids[8])):
+        factor = np.exp(noise * rng.standard_normal())
+        for grid in grids.values():
+            step = grid[point]
+            steps.append(
+                TimedStep(**{**step.__dict__, "seconds": step.seconds * factor, "moment": point})
+            )
+    return steps
+
+
+def test_a_size_whose_steps_all_take_longer_gets_a_scale_of_its_own():
+    """B=8's steps 5% slower at every point, under a 20% speed swing between points: the
+    paired comparison within each point finds it (the form's per-block term cannot: the
+    extra time is not per block); with no such difference no size gets a scale."""
+    flat = StepCoefficients(per_block_s=0.0, **SHARED)
+    slower = StepCoefficients(**{t: 1.05 * v for t, v in flat})
+    fit = fit_steps(_points_at_every_size({8: slower, 64: flat}, 0.2, seed=4))
+    assert fit.depends_on_block_size
+    assert fit.size_scales[8] / fit.size_scales[64] == pytest.approx(1.05, rel=0.005)
+    decode = _grid(8, flat)[0]
+    at = {b: predict_step_s(fit.coefficients[b], replace(decode, block_size=b)) for b in (8, 64)}
+    assert at[8] / at[64] == pytest.approx(1.05, rel=0.005)
+    section = fit.engine_calibration(ANALYTIC.provenance, MODEL, threads=1)
+    assert section.size_scales == fit.size_scales
+    assert "scales (" in section.block_size_verdict()
+    same = fit_steps(_points_at_every_size({8: flat, 64: flat}, 0.2, seed=4))
+    assert same.size_scales is None and not same.depends_on_block_size
+    assert same.coefficients[8] == same.coefficients[64]
 
 
 def _prefill(prompt, factor, coefficients):
