@@ -247,11 +247,14 @@ class EngineCalibration(_Frozen):
             return "fitted per block size (a calibration before joint fits)"
         if not self.depends_on_block_size:
             return B_INDEPENDENT
-        what = ", ".join(PER_SIZE_TERMS)
+        beyond = f"beyond {SIGNIFICANCE_SE:g} standard errors"
+        reasons = []
+        if any(getattr(c, t) > 0 for c in self.steps.values() for t in PER_SIZE_TERMS):
+            reasons.append(f"{', '.join(PER_SIZE_TERMS)} {beyond}")
         if self.size_scales is not None:
             scales = ", ".join(f"{s:.3f}x at B={b}" for b, s in sorted(self.size_scales.items()))
-            what = f"{what} or the sizes' scales ({scales})"
-        return f"the step time depends on B ({what} beyond {SIGNIFICANCE_SE:g} standard errors)"
+            reasons.append(f"each size's steps scaled {beyond}: {scales}")
+        return f"the step time depends on B ({'; '.join(reasons)})"
 
     def require_model(self, shape: ModelShape) -> None:
         """Raise `CalibrationError` unless `shape` is the model these steps were timed on."""

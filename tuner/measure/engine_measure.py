@@ -458,8 +458,8 @@ def measure_model_kernels(
 
 def describe_fit(engine: EngineCalibration) -> list[str]:
     """The fit in words: per block size its residuals, per-size terms with their standard
-    errors and its scale (where the sizes have their own), the shared terms with theirs (at
-    the smallest size), and whether the step time depends on B."""
+    errors and its scale (where the sizes have their own), the shared terms with theirs
+    (before the scales), and whether the step time depends on B."""
     from blocktune.tuner.config.calibration import PER_SIZE_TERMS, StepCoefficients
 
     errors = engine.standard_errors or {}
@@ -477,10 +477,12 @@ def describe_fit(engine: EngineCalibration) -> list[str]:
         )
     first = min(engine.steps)
     shared = [t for t in StepCoefficients.model_fields if t not in PER_SIZE_TERMS]
-    lines.append(
-        "shared terms: "
-        + ", ".join(_with_error(t, engine.steps[first], errors.get(first)) for t in shared)
+    unscaled = 1 / (engine.size_scales or {first: 1.0})[first]
+    terms = ", ".join(
+        _with_error(t, engine.steps[first], errors.get(first), unscaled) for t in shared
     )
+    where = "" if engine.size_scales is None else " (before each size's scale)"
+    lines.append(f"shared terms{where}: {terms}")
     if engine.step_spread:
         q = engine.step_spread
         lines.append(
@@ -491,11 +493,11 @@ def describe_fit(engine: EngineCalibration) -> list[str]:
     return lines
 
 
-def _with_error(term: str, values, errors) -> str:
-    value = getattr(values, term)
+def _with_error(term: str, values, errors, factor: float = 1.0) -> str:
+    value = getattr(values, term) * factor
     if errors is None:
         return f"{term} {value:.3g}"
-    return f"{term} {value:.3g} ± {getattr(errors, term):.2g}"
+    return f"{term} {value:.3g} ± {getattr(errors, term) * factor:.2g}"
 
 
 def _engine(model: LlamaModel, grid: EngineGrid, block_size: int, backend: str) -> Engine:

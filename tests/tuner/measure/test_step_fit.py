@@ -13,6 +13,7 @@ from blocktune.tuner.config.calibration import (
     StepCoefficients,
     analytic_calibration,
 )
+from blocktune.tuner.measure.engine_measure import describe_fit
 from blocktune.tuner.measure.step_fit import (
     BOOTSTRAP_FITS,
     TimedStep,
@@ -200,7 +201,11 @@ def test_a_size_whose_steps_all_take_longer_gets_a_scale_of_its_own():
     assert at[8] / at[64] == pytest.approx(1.05, rel=0.005)
     section = fit.engine_calibration(ANALYTIC.provenance, MODEL, threads=1)
     assert section.size_scales == fit.size_scales
-    assert "scales (" in section.block_size_verdict()
+    assert "scaled beyond 2 standard errors: 1.0" in section.block_size_verdict()
+    lines = describe_fit(section)
+    assert f"scale {fit.size_scales[8]:.3f}" in lines[0]
+    unscaled = fit.coefficients[8].fixed_s / fit.size_scales[8]
+    assert f"shared terms (before each size's scale): fixed_s {unscaled:.3g}" in lines[2]
     same = fit_steps(_points_at_every_size({8: flat, 64: flat}, 0.2, seed=4))
     assert same.size_scales is None and not same.depends_on_block_size
     assert same.coefficients[8] == same.coefficients[64]
