@@ -83,13 +83,13 @@ def drawn(batches: list[tuple[int, ...]], count: int, rng: np.random.Generator) 
     return [by_size[n][rng.integers(len(by_size[n]))] for n in picks]
 
 
-def rebuilt_steps(engine: Engine, contexts: tuple[int, ...], rng) -> list[TimedStep]:
+def rebuilt_steps(engine: Engine, contexts: tuple[int, ...], timing) -> list[TimedStep]:
     """Admit requests holding `contexts` tokens one by one, settle, time `REPEATS` decodes."""
     admitted = len(contexts) + engine_measure.SETTLE_STEPS
     ids = []
     for context in contexts:  # each decodes while the later ones are admitted
         prompt = max(1, context - (admitted - len(ids)))
-        ids += engine_measure._start(engine, rng, 1, prompt, admitted + REPEATS + 2)
+        ids += engine_measure._start(engine, timing, 1, prompt, admitted + REPEATS + 2)
     for _ in range(engine_measure.SETTLE_STEPS):
         engine.step()
     steps = []
@@ -174,6 +174,7 @@ def main() -> None:
     serve_live(recorder, workload, timer=CLOCK, seed=args.seed)
     rng = np.random.default_rng(args.seed)
     batches = drawn(recorder.batches, args.batches, rng)
+    timing = engine_measure._Timing(rng, CLOCK)
     del recorder
     longest = max(max(batch) for batch in batches)
     grid_engine = engine_measure._engine(model, grid, size, args.backend)
@@ -185,7 +186,7 @@ def main() -> None:
     )
     batch_engine = engine_measure._engine(model, batch_grid, size, args.backend)
     for engine in (grid_engine, batch_engine):
-        engine_measure._warm_up(engine, rng)
+        engine_measure._warm_up(engine, timing)
     points = engine_measure._points(grid)
     grid_steps: list[TimedStep] = []
     rebuilt: list[TimedStep] = []
@@ -193,11 +194,11 @@ def main() -> None:
     pairs: list[tuple[int, float]] = []  # batch size, as drawn over second (mean step)
     for i in range(max(len(points), len(batches))):  # alternate: drift touches both alike
         if i < len(points):
-            grid_steps += points[i](grid_engine, grid, rng, CLOCK)
+            grid_steps += points[i](grid_engine, grid, timing)
         if i >= len(batches):
             continue
         if not (args.against_uniform or args.against_one_chunk):
-            rebuilt += rebuilt_steps(batch_engine, batches[i], rng)
+            rebuilt += rebuilt_steps(batch_engine, batches[i], timing)
             continue
         versions = [batches[i], batches[i] if args.against_one_chunk else uniform(batches[i])]
         layouts = [default_layout, ONE_CHUNK if args.against_one_chunk else default_layout]
@@ -205,7 +206,7 @@ def main() -> None:
         timed = [[], []]
         for which in order:
             set_layout(layouts[which])
-            timed[which] = rebuilt_steps(batch_engine, versions[which], rng)
+            timed[which] = rebuilt_steps(batch_engine, versions[which], timing)
         set_layout(default_layout)
         rebuilt += timed[0]
         flat += timed[1]

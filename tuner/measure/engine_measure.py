@@ -9,9 +9,10 @@ drifts slows every size alike instead of one size more than another. A point is
   batch with its first half at the shortest context), `repeats` consecutive
   steps each timed (the context grows by one a step) after `SETTLE_STEPS`
   untimed ones;
-- an admission step: m prompts of k tokens admitted together, for every chunk
-  size k and every m of `admissions` with m * k within the largest chunk, alone
-  and next to a decode batch (the grid's middle n and c), `repeats` times.
+- an admission step: m prompts of about k tokens admitted together, for every
+  chunk size k and every m of `admissions` with m * k within the largest chunk,
+  alone and next to a decode batch (the grid's middle n and c), `repeats` times,
+  each prompt of a length no step of the process timed before (`_Timing`).
 
 Every timed step is a row of its own (the fit keeps their mean, and the rows'
 spread is the calibration's step spread). A step is timed by
@@ -43,9 +44,10 @@ torch is imported inside the functions, so importing this module is cheap.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -333,14 +335,13 @@ class GridTimer:
         worker, indices = share
         self.grid = grid
         self.steps: list[TimedStep] = []
-        self._rng = np.random.default_rng([seed, worker])
-        self._timer = STEP_CLOCKS[clock]
+        self._timing = _Timing(np.random.default_rng([seed, worker]), STEP_CLOCKS[clock])
         self._points = _points(grid)
         self._pending = list(indices)
         self._count = len(self._pending)
         self._engines = {b: _engine(model, grid, b, backend) for b in grid.block_sizes}
         for engine in self._engines.values():
-            _warm_up(engine, self._rng)
+            _warm_up(engine, self._timing)
 
     @property
     def timed(self) -> int:
@@ -359,7 +360,7 @@ class GridTimer:
         turn = index % len(sizes)  # rotate which size goes first
         for block_size in sizes[turn:] + sizes[:turn]:
             engine = self._engines[block_size]
-            timed = self._points[index](engine, self.grid, self._rng, self._timer)
+            timed = self._points[index](engine, self.grid, self._timing)
             self.steps += [replace(step, moment=index) for step in timed]
 
     def close(self) -> list[TimedStep]:
@@ -525,14 +526,17 @@ def _prompt(engine: Engine, rng: np.random.Generator, length: int) -> list[int]:
     return rng.integers(0, engine.model.config.vocab_size, length).tolist()
 
 
-def _start(engine: Engine, rng: np.random.Generator, count: int, context: int, steps: int):
+def _start(
+    engine: Engine, timing: _Timing, count: int, context: int, steps: int, *, beside: int = 0
+):
     """Admit `count` requests of `context`-token prompts, each its own (no shared blocks),
-    that decode `steps` more steps."""
+    that decode `steps` more steps, in a step beside `beside` decodes."""
     from blocktune.runtime.engine import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    ids = [engine.add_request(_prompt(engine, rng, context), params) for _ in range(count)]
+    ids = [engine.add_request(_prompt(engine, timing.rng, context), params) for _ in range(count)]
     engine.step()
+    timing.step_tokens.add(beside + count * context)
     return ids
 
 
@@ -561,18 +565,48 @@ def warm_up_model(model: LlamaModel, backend: str) -> None:
             candidate_block_sizes=(size,),
         ),
     )
-    _warm_up(engine, np.random.default_rng(0))
+    _warm_up(engine, _Timing(np.random.default_rng(0), time.perf_counter))
 
 
-def _warm_up(engine: Engine, rng: np.random.Generator) -> None:
-    ids = _start(engine, rng, 2, 8, WARMUP_STEPS)
+def _warm_up(engine: Engine, timing: _Timing) -> None:
+    ids = _start(engine, timing, 2, 8, WARMUP_STEPS)
     for _ in range(WARMUP_STEPS):
         engine.step()
     for request_id in ids:
         engine.cancel(request_id)
 
 
-Point = Callable[["Engine", EngineGrid, np.random.Generator, Callable[[], float]], list[TimedStep]]
+@dataclass
+class _Timing:
+    """What the points one process times share: the seeded source of their prompts, the
+    clock, and the token counts of the steps its engines computed with prompts in them.
+
+    A step of a token count the process has not computed before costs more than one that
+    repeats it (the CPU's matrix kernels are prepared and cached per shape): tiny-random's
+    one-prompt step took 5-10 ms at a new count and 3-7 ms at one just computed, two
+    prompts of new lengths but the count of the step before as little as a repeat;
+    SmolLM2's 300-1,600 ms steps showed no difference beyond the machine's noise. Served
+    prompts come in lengths of their own, so most served steps that admit prompts pay it
+    (tiny-random's live prompt steps on the Azure lengths took 1.4x the price of a grid
+    that repeated its counts), and every admission step of the grid is given a count of
+    its own (`fresh_lengths`)."""
+
+    rng: np.random.Generator
+    clock: Callable[[], float]
+    step_tokens: set[int] = field(default_factory=set)
+
+    def fresh_lengths(self, prompts: int, tokens: int, decoding: int) -> list[int]:
+        """Lengths of `prompts` prompts of `tokens` tokens admitted beside `decoding`
+        decodes, the last moved by as few tokens as it takes (up first) for the step's
+        token count to be one this process has not computed; recorded as computed."""
+        base = decoding + prompts * tokens
+        shifts = itertools.chain.from_iterable((k, -k) if k else (0,) for k in itertools.count())
+        shift = next(d for d in shifts if tokens + d > 0 and base + d not in self.step_tokens)
+        self.step_tokens.add(base + shift)
+        return [tokens] * (prompts - 1) + [tokens + shift]
+
+
+Point = Callable[["Engine", EngineGrid, _Timing], list[TimedStep]]
 
 
 def _points(grid: EngineGrid) -> list[Point]:
@@ -614,8 +648,7 @@ def _contexts(grid: EngineGrid, batch: int) -> list[int]:
 def _decode_point(
     engine: Engine,
     grid: EngineGrid,
-    rng: np.random.Generator,
-    timer: Callable[[], float],
+    timing: _Timing,
     *,
     short: int,
     long: int,
@@ -624,17 +657,18 @@ def _decode_point(
     """A decode batch of `long` requests at `context` and `short` at the grid's shortest."""
     size, shortest = engine.block_size, min(grid.context_lens)
     lifetime = SETTLE_STEPS + grid.repeats
-    ids = _start(engine, rng, short, shortest, lifetime + 1) if short else []
-    ids += _start(engine, rng, long, context, lifetime)
+    ids = _start(engine, timing, short, shortest, lifetime + 1) if short else []
+    ids += _start(engine, timing, long, context, lifetime, beside=short)
     for _ in range(SETTLE_STEPS):
         engine.step()
+    timing.step_tokens.add(short + long)
     steps = []
     for j in range(grid.repeats):
         grown = SETTLE_STEPS + 1 + j  # tokens each request gained since its admission
         low, high = shortest + grown + 1, context + grown  # the short ones started a step early
         tokens = short * low + long * high
         blocks = short * blocks_for(low, size) + long * blocks_for(high, size)
-        seconds = _timed_step(engine, timer)
+        seconds = _timed_step(engine, timing.clock)
         steps.append(
             TimedStep(
                 size, short + long, tokens, blocks, 0, seconds, padded_tokens=(short + long) * high
@@ -648,39 +682,42 @@ def _decode_point(
 def _admission_point(
     engine: Engine,
     grid: EngineGrid,
-    rng: np.random.Generator,
-    timer: Callable[[], float],
+    timing: _Timing,
     *,
     decoding: int,
     prompts: int,
     tokens: int,
 ) -> list[TimedStep]:
-    """Steps that admit `prompts` prompts of `tokens` tokens each (they finish in the step),
-    beside `decoding` requests at the grid's middle context."""
+    """Steps that admit `prompts` prompts of about `tokens` tokens each (they finish in the
+    step; the step's token count new to the process: `_Timing`), beside `decoding` requests
+    at the grid's middle context."""
     from blocktune.runtime.engine import SamplingParams
 
     size = engine.block_size
     context = grid.context_lens[len(grid.context_lens) // 2]
     one = SamplingParams(max_tokens=1, ignore_eos=True)
-    ids = _start(engine, rng, decoding, context, SETTLE_STEPS + grid.repeats) if decoding else []
+    lifetime = SETTLE_STEPS + grid.repeats
+    ids = _start(engine, timing, decoding, context, lifetime) if decoding else []
     for _ in range(SETTLE_STEPS if decoding else 0):
         engine.step()
+    timing.step_tokens.add(decoding)
     steps = []
     for j in range(grid.repeats):
         held = context + SETTLE_STEPS + 1 + j  # the decodes' context in this step
-        for _ in range(prompts):
-            engine.add_request(_prompt(engine, rng, tokens), one)
-        seconds = _timed_step(engine, timer)
+        lengths = timing.fresh_lengths(prompts, tokens, decoding)
+        for length in lengths:
+            engine.add_request(_prompt(engine, timing.rng, length), one)
+        seconds = _timed_step(engine, timing.clock)
         steps.append(
             TimedStep(
                 size,
                 decoding + prompts,
-                decoding * held + prompts * tokens,
-                decoding * blocks_for(held, size) + prompts * blocks_for(tokens, size),
-                prompts * tokens,
+                decoding * held + sum(lengths),
+                decoding * blocks_for(held, size) + sum(blocks_for(n, size) for n in lengths),
+                sum(lengths),
                 seconds,
                 padded_tokens=decoding * held,
-                prefill_pairs=prompts * prefill_pairs(0, tokens),
+                prefill_pairs=sum(prefill_pairs(0, n) for n in lengths),
                 prompt_chunks=prompts,
             )
         )

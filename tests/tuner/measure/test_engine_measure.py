@@ -239,7 +239,8 @@ def test_the_grid_s_requests_hold_blocks_of_their_own():
 
     grid = engine_measure.default_engine_grid(quick=True, block_sizes=(8,))
     engine = engine_measure._engine(load_weights("tiny-random", seed=0), grid, 8, "torch")
-    engine_measure._start(engine, np.random.default_rng(0), 4, 32, 2)
+    timing = engine_measure._Timing(np.random.default_rng(0), engine_measure.STEP_CLOCKS["wall"])
+    engine_measure._start(engine, timing, 4, 32, 2)
     # Each holds the K/V of its 32 prompt tokens and the token it sampled gets a slot next.
     assert engine.stats()["blocks_used"] == 4 * blocks_for(32, 8)
 
@@ -342,6 +343,36 @@ def test_a_grid_timer_times_its_share_as_far_as_it_is_asked_and_the_rest_when_cl
     # Every point of the share at both sizes, `repeats` steps each.
     assert len(steps) == len(share) * 2 * grid.repeats
     assert {s.block_size for s in steps} == {8, 16}
+
+
+def test_every_admission_step_computes_a_token_count_new_to_its_process():
+    """A step of a token count the process computed before is cheaper (the CPU's kernels are
+    cached per shape) and served prompts come in lengths of their own, so each admission
+    step of the grid gets a count no step before it had: the prompts' lengths stay at the
+    chunk but for the last, moved by as few tokens as it takes."""
+    import numpy as np
+
+    from blocktune.runtime.loading import load_weights
+    from blocktune.tuner.measure import engine_measure
+
+    timing = engine_measure._Timing(np.random.default_rng(0), engine_measure.STEP_CLOCKS["wall"])
+    timing.step_tokens.add(32)  # a decode point's prefill of one 32-token prompt
+    assert timing.fresh_lengths(1, 32, 0) == [33]
+    assert timing.fresh_lengths(1, 32, 0) == [31]
+    assert timing.fresh_lengths(4, 8, 2) == [8, 8, 8, 8]  # 34 tokens: new
+    assert timing.fresh_lengths(4, 8, 2) == [8, 8, 8, 9]
+    assert timing.fresh_lengths(4, 8, 2) == [8, 8, 8, 10]  # 34, 35 and 33 computed: 36
+
+    model = load_weights("tiny-random", seed=0)
+    grid = engine_measure.default_engine_grid(quick=True, block_sizes=(8, 16))
+    timer = engine_measure.GridTimer(model, grid, "torch", "wall", 0, (0, range(grid.num_points)))
+    admissions = [step for step in timer.close() if step.prompt_chunks]
+    counts = [s.sequences - s.prompt_chunks + s.prefill_tokens for s in admissions]
+    assert len(admissions) == 2 * len(grid.admission_points) * 2 * grid.repeats
+    assert len(set(counts)) == len(counts)
+    for step in admissions:  # each prompt within a few tokens of a chunk of the grid
+        per_prompt = step.prefill_tokens / step.prompt_chunks
+        assert min(abs(per_prompt - chunk) for chunk in grid.prefill_chunks) <= 16
 
 
 def products_packed(model) -> list[bool]:
