@@ -69,14 +69,17 @@ STEP_FORM = (
     "step_s = fixed_s + per_block_s * sum_j ceil(ctx_j / B) + per_token_s * sum_j ctx_j "
     "+ per_padded_token_s * n * max_j ctx_j + per_sequence_s * n "
     "+ prefill_s_per_token * prefill_tokens + prefill_s_per_pair * prefill_pairs "
-    "+ per_admission_s * prompt_chunks"
+    "+ per_admission_s * prompt_chunks + per_new_count_s * new_count"
 )
 """The engine step time at block size B: n requests in the step, ctx_j the tokens whose K/V
 request j holds, prefill_tokens the prompt tokens the step computes, prefill_pairs their
 attention pairs (per prompt chunk, its tokens times its prompt's tokens up to the chunk's
 end) and prompt_chunks how many prompts it computes a chunk of (each admitted request, when
 prompts prefill whole). `n * max ctx` is the batch padded to its longest context, as a decode
-attention that gathers the batch into one padded tensor reads it. Only `per_block_s` is
+attention that gathers the batch into one padded tensor reads it. `new_count` is 1 for a step
+that computes a number of tokens (decodes and prompt tokens together) its process has not
+computed before: the CPU's kernels are prepared and cached per shape, so such a step costs
+more than one that repeats a count. Only `per_block_s` is
 fitted per block size (`PER_SIZE_TERMS`); the other terms are fitted once for all sizes."""
 
 PER_SIZE_TERMS = ("per_block_s",)
@@ -162,7 +165,8 @@ class EngineModel(_Frozen):
 
 class StepCoefficients(_Frozen):
     """One engine step's time at one block size, the terms of `STEP_FORM` [s]. The padded,
-    pair and admission terms are 0 in calibrations written before they were fitted."""
+    pair, admission and new-count terms are 0 in calibrations written before they were
+    fitted."""
 
     fixed_s: float = Field(ge=0)
     per_block_s: float = Field(ge=0)
@@ -172,6 +176,7 @@ class StepCoefficients(_Frozen):
     per_padded_token_s: float = Field(default=0.0, ge=0)
     prefill_s_per_pair: float = Field(default=0.0, ge=0)
     per_admission_s: float = Field(default=0.0, ge=0)
+    per_new_count_s: float = Field(default=0.0, ge=0)
 
     def scaled(self, factor: float) -> StepCoefficients:
         """Every term multiplied by `factor`: every step `factor` times as long."""

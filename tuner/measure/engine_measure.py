@@ -11,8 +11,9 @@ drifts slows every size alike instead of one size more than another. A point is
   untimed ones;
 - an admission step: m prompts of about k tokens admitted together, for every
   chunk size k and every m of `admissions` with m * k within the largest chunk,
-  alone and next to a decode batch (the grid's middle n and c), `repeats` times,
-  each prompt of a length no step of the process timed before (`_Timing`).
+  alone and next to a decode batch (the grid's middle n and c), `repeats` times:
+  every other step at a token count the process never computed before, the others
+  at the count of the step before (`_Timing`).
 
 Every timed step is a row of its own (the fit keeps their mean, and the rows'
 spread is the calibration's step spread). A step is timed by
@@ -585,11 +586,12 @@ class _Timing:
     repeats it (the CPU's matrix kernels are prepared and cached per shape): tiny-random's
     one-prompt step took 5-10 ms at a new count and 3-7 ms at one just computed, two
     prompts of new lengths but the count of the step before as little as a repeat;
-    SmolLM2's 300-1,600 ms steps showed no difference beyond the machine's noise. Served
-    prompts come in lengths of their own, so most served steps that admit prompts pay it
-    (tiny-random's live prompt steps on the Azure lengths took 1.4x the price of a grid
-    that repeated its counts), and every admission step of the grid is given a count of
-    its own (`fresh_lengths`)."""
+    SmolLM2's 300-1,600 ms steps showed no difference beyond the machine's noise. Whether
+    a served step pays it depends on the workload (prompts of a few dozen lengths repeat
+    their counts; the Azure conversation lengths seldom do), so the grid times both: every
+    other admission step at a count of its own (`fresh_lengths`, `new_count` 1), the
+    others repeating the step before, and the fit prices a new count on its own
+    (`STEP_FORM`), which the simulator charges where its run meets a count first."""
 
     rng: np.random.Generator
     clock: Callable[[], float]
@@ -689,8 +691,9 @@ def _admission_point(
     tokens: int,
 ) -> list[TimedStep]:
     """Steps that admit `prompts` prompts of about `tokens` tokens each (they finish in the
-    step; the step's token count new to the process: `_Timing`), beside `decoding` requests
-    at the grid's middle context."""
+    step), beside `decoding` requests at the grid's middle context: the first, third...
+    at a token count new to the process, each other one at the count of the step before
+    (`_Timing`)."""
     from blocktune.runtime.engine import SamplingParams
 
     size = engine.block_size
@@ -704,7 +707,9 @@ def _admission_point(
     steps = []
     for j in range(grid.repeats):
         held = context + SETTLE_STEPS + 1 + j  # the decodes' context in this step
-        lengths = timing.fresh_lengths(prompts, tokens, decoding)
+        new_count = j % 2 == 0  # a count of its own, then the same again
+        if new_count:
+            lengths = timing.fresh_lengths(prompts, tokens, decoding)
         for length in lengths:
             engine.add_request(_prompt(engine, timing.rng, length), one)
         seconds = _timed_step(engine, timing.clock)
@@ -719,6 +724,7 @@ def _admission_point(
                 padded_tokens=decoding * held,
                 prefill_pairs=sum(prefill_pairs(0, n) for n in lengths),
                 prompt_chunks=prompts,
+                new_count=int(new_count),
             )
         )
     for request_id in ids:

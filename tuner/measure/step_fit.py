@@ -107,6 +107,7 @@ class TimedStep:
     padded_tokens: int = 0
     prefill_pairs: int = 0
     prompt_chunks: int = 0
+    new_count: int = 0
     moment: int | None = None
 
     @property
@@ -121,6 +122,7 @@ class TimedStep:
             "per_padded_token_s": self.padded_tokens,
             "prefill_s_per_pair": self.prefill_pairs,
             "per_admission_s": self.prompt_chunks,
+            "per_new_count_s": self.new_count,
         }
 
 

@@ -222,6 +222,7 @@ class _Server:
         self.prefill_tokens = 0  # prompt tokens computed in the coming step
         self.prefill_pairs = 0  # and their attention pairs (`calibration.STEP_FORM`)
         self.prefill_chunks = 0  # and the prompts they belong to
+        self.computed_counts: set[int] = set()  # token counts of the steps with prompt work
         policy = server.policy
         self.max_seqs = policy.max_num_seqs
         self.token_budget = policy.max_num_batched_tokens
@@ -475,13 +476,19 @@ class _Server:
         self.table_blocks = 0  # nothing runs
 
     def _prefill_s(self) -> float:
-        """The coming step's prompt work: its prompt tokens, their attention pairs and the
-        prompts they belong to."""
+        """The coming step's prompt work: its prompt tokens, their attention pairs, the
+        prompts they belong to and, where no step before computed its number of tokens (its
+        decodes and prompt tokens), the cost of a new count (`calibration.STEP_FORM`);
+        the count is then one computed."""
         cost = self.cost
+        count = len(self.ids) - len(self.joined) + self.prefill_tokens
+        new_count = count not in self.computed_counts
+        self.computed_counts.add(count)
         return (
             self.prefill_tokens * cost.prefill_s_per_token
             + self.prefill_pairs * cost.prefill_s_per_pair
             + self.prefill_chunks * cost.per_admission_s
+            + new_count * cost.per_new_count_s
         )
 
     def _spread_factor(self, start: float) -> float:

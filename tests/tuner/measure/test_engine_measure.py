@@ -345,11 +345,12 @@ def test_a_grid_timer_times_its_share_as_far_as_it_is_asked_and_the_rest_when_cl
     assert {s.block_size for s in steps} == {8, 16}
 
 
-def test_every_admission_step_computes_a_token_count_new_to_its_process():
+def test_admission_steps_alternate_a_token_count_new_to_the_process_and_a_repeat():
     """A step of a token count the process computed before is cheaper (the CPU's kernels are
-    cached per shape) and served prompts come in lengths of their own, so each admission
-    step of the grid gets a count no step before it had: the prompts' lengths stay at the
-    chunk but for the last, moved by as few tokens as it takes."""
+    cached per shape), and whether served steps repeat their counts depends on the
+    workload, so the grid times both: every other admission step at a count no step before
+    it had (the prompts' lengths at the chunk but for the last, moved by as few tokens as
+    it takes), the others at the count of the step before, each flagged for the fit."""
     import numpy as np
 
     from blocktune.runtime.loading import load_weights
@@ -367,10 +368,14 @@ def test_every_admission_step_computes_a_token_count_new_to_its_process():
     grid = engine_measure.default_engine_grid(quick=True, block_sizes=(8, 16))
     timer = engine_measure.GridTimer(model, grid, "torch", "wall", 0, (0, range(grid.num_points)))
     admissions = [step for step in timer.close() if step.prompt_chunks]
-    counts = [s.sequences - s.prompt_chunks + s.prefill_tokens for s in admissions]
     assert len(admissions) == 2 * len(grid.admission_points) * 2 * grid.repeats
-    assert len(set(counts)) == len(counts)
-    for step in admissions:  # each prompt within a few tokens of a chunk of the grid
+    counts = [s.sequences - s.prompt_chunks + s.prefill_tokens for s in admissions]
+    new = [count for count, s in zip(counts, admissions, strict=True) if s.new_count]
+    fresh_repeats = len(range(0, grid.repeats, 2))  # the first, third... of each point's
+    assert len(set(new)) == len(new) == 2 * len(grid.admission_points) * 2 * fresh_repeats
+    for i, step in enumerate(admissions):
+        if not step.new_count:  # the count of the step before, at the same engine
+            assert counts[i] == counts[i - 1] and admissions[i - 1].new_count
         per_prompt = step.prefill_tokens / step.prompt_chunks
         assert min(abs(per_prompt - chunk) for chunk in grid.prefill_chunks) <= 16
 

@@ -172,6 +172,24 @@ def test_each_admitted_prompt_costs_its_admission():
     assert run.first_token_s.tolist() == pytest.approx([0.024, 0.024, 0.035], rel=1e-12)
 
 
+def test_only_a_step_of_a_token_count_not_computed_before_pays_a_new_count():
+    """Steps of 10 ms plus 1 ms where the step's number of tokens (its decodes and prompt
+    tokens) is one no step before it computed. One request at a time, prompts of 40, 40,
+    30 and 40 tokens: the first and third prompt steps pay it, the others repeat a count.
+    A 40-token prompt admitted while another request decodes is a step of 41 tokens: new."""
+    frame = pd.DataFrame(
+        {"arrival_s": [0.0, 1.0, 2.0, 3.0, 3.5], "prompt_tokens": [40, 40, 30, 40, 40],
+         "output_tokens": [2, 2, 2, 400, 2]}
+    )  # fmt: skip
+    workload = Workload.from_frame(frame)
+    model = ExactTerms(POLICY, CALIBRATION, fixed_s=0.01, per_new_count_s=0.001)
+    run = simulate(workload, model, 16)
+    assert run.first_token_s[:4].tolist() == pytest.approx([0.011, 1.01, 2.011, 3.01], rel=1e-12)
+    assert run.finish_s[:3].tolist() == pytest.approx([0.021, 1.02, 2.021], rel=1e-12)
+    flat = simulate(workload, ExactTerms(POLICY, CALIBRATION, fixed_s=0.01), 16)
+    assert run.first_token_s[4] - flat.first_token_s[4] == pytest.approx(0.001, rel=1e-9)
+
+
 class Spread(StepCostModel):
     """Fixed 10 ms steps with a step spread of factors 0.5 to 2.0 around a mean of 1."""
 
