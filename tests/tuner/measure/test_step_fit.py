@@ -16,6 +16,7 @@ from blocktune.tuner.config.calibration import (
 from blocktune.tuner.measure.engine_measure import describe_fit
 from blocktune.tuner.measure.step_fit import (
     BOOTSTRAP_FITS,
+    SPREAD_QUANTILES,
     TimedStep,
     fit_steps,
     predict_step_s,
@@ -117,7 +118,12 @@ def test_noisy_timings_have_standard_errors_that_cover_the_truth():
 
 
 def test_skewed_steps_take_their_fitted_time_on_average_and_record_their_spread():
-    steps = [s for b, c in TRUE.items() for s in _grid(b, c, noise=0.4, seed=2, skew=True)]
+    steps = [
+        s
+        for seed in (2, 3, 4)  # 120 decode steps, whose measured / fitted the spread is
+        for b, c in TRUE.items()
+        for s in _grid(b, c, noise=0.4, seed=seed, skew=True)
+    ]
     fit = fit_steps(steps)
     ratios = [s.seconds / predict_step_s(fit.coefficients[s.block_size], s) for s in steps]
     assert np.mean(ratios) == pytest.approx(1.0, rel=1e-9)
@@ -128,6 +134,28 @@ def test_skewed_steps_take_their_fitted_time_on_average_and_record_their_spread(
     # One step 30 times slower than its fit moves no quantile far.
     outlier = TimedStep(**{**steps[0].__dict__, "seconds": 30 * steps[0].seconds})
     assert max(fit_steps([*steps, outlier]).spread) < 1.2 * spread[-1]
+
+
+def test_the_spread_is_the_decode_steps_and_leaves_the_prompt_steps_misfit_out():
+    """Decode steps 10% noisy, steps with prompt work 50% (a step at a token count new to
+    the process costs more by an amount that varies with the shape: the form's misfit,
+    not the machine's noise): the spread the simulator draws factors from is the
+    quantiles of the decode steps' measured / fitted, far narrower than all steps'."""
+    rng = np.random.default_rng(3)
+    steps = []
+    for seed in (0, 1, 2):
+        for b, c in TRUE.items():
+            for s in _grid(b, c, seed=seed):
+                sigma = 0.5 if s.prefill_tokens else 0.1
+                steps.append(replace(s, seconds=s.seconds * np.exp(sigma * rng.standard_normal())))
+    fit = fit_steps(steps)
+    ratio = {s: s.seconds / predict_step_s(fit.coefficients[s.block_size], s) for s in steps}
+    decodes = [ratio[s] for s in steps if not s.prefill_tokens]
+    midpoints = (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES
+    expected = np.quantile(decodes, midpoints)
+    assert fit.spread == pytest.approx(tuple(expected / expected.mean()), rel=1e-9)
+    every = np.quantile(list(ratio.values()), midpoints)
+    assert every[-1] / every.mean() > 1.5 * fit.spread[-1]
 
 
 def _moments(steps, size, noise, seed):
