@@ -580,7 +580,8 @@ def _warm_up(engine: Engine, timing: _Timing) -> None:
 @dataclass
 class _Timing:
     """What the points one process times share: the seeded source of their prompts, the
-    clock, and the token counts of the steps its engines computed with prompts in them.
+    clock, and the token counts its engines' steps computed (the decode points' prefills
+    and batches, the admission steps).
 
     A step of a token count the process has not computed before costs more than one that
     repeats it (the CPU's matrix kernels are prepared and cached per shape): tiny-random's

@@ -222,7 +222,7 @@ class _Server:
         self.prefill_tokens = 0  # prompt tokens computed in the coming step
         self.prefill_pairs = 0  # and their attention pairs (`calibration.STEP_FORM`)
         self.prefill_chunks = 0  # and the prompts they belong to
-        self.computed_counts: set[int] = set()  # token counts of the steps with prompt work
+        self.computed_counts: set[int] = set()  # token counts of the steps run so far
         policy = server.policy
         self.max_seqs = policy.max_num_seqs
         self.token_budget = policy.max_num_batched_tokens
@@ -579,6 +579,8 @@ class _Server:
             referenced_sum += referenced
             kv_block_s += referenced * step_s
             k += 1
+        if k > admitted:  # decode-only steps: n tokens each
+            self.computed_counts.add(n)
         unique_tokens = k * held + n * k * (k + 1) // 2 - k * duplicates * size
         self._account(
             referenced_sum * size, table_blocks - duplicates, kv_block_s, unique_tokens, end - t

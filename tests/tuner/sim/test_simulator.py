@@ -190,6 +190,17 @@ def test_only_a_step_of_a_token_count_not_computed_before_pays_a_new_count():
     assert run.first_token_s[4] - flat.first_token_s[4] == pytest.approx(0.001, rel=1e-9)
 
 
+def test_a_decode_step_s_token_count_is_one_computed():
+    """A one-token prompt admitted alone is a step of one token, as every decode step of a
+    lone request was before it: no new count."""
+    frame = pd.DataFrame(
+        {"arrival_s": [0.0, 1.0], "prompt_tokens": [40, 1], "output_tokens": [3, 2]}
+    )
+    model = ExactTerms(POLICY, CALIBRATION, fixed_s=0.01, per_new_count_s=0.001)
+    run = simulate(Workload.from_frame(frame), model, 16)
+    assert run.first_token_s.tolist() == pytest.approx([0.011, 1.01], rel=1e-12)
+
+
 class Spread(StepCostModel):
     """Fixed 10 ms steps with a step spread of factors 0.5 to 2.0 around a mean of 1."""
 
