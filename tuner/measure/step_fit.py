@@ -303,7 +303,9 @@ def _fit(
     scale[scale == 0] = 1.0
     scaled = relative / scale
     solution, _ = nnls(scaled, np.ones(len(seconds)))
-    factor = float(np.mean(seconds / (design @ (solution / scale))))
+    fitted = design @ (solution / scale)
+    priced = fitted > 0  # a refit on few drawn moments may leave some rows' terms all 0
+    factor = float(np.mean(seconds[priced] / fitted[priced])) if priced.any() else 1.0
     if moments is None:
         return solution / scale * factor, None
     residual = scaled @ solution - 1
