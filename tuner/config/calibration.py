@@ -206,8 +206,9 @@ class EngineCalibration(_Frozen):
     `SIGNIFICANCE_SE` standard errors of 0 and no size had a scale of its own, and the
     per-size terms are then 0 (the shared terms refitted without them), so every size costs
     the same time; `step_spread` holds
-    quantiles of measured / fitted over the timed steps at the midpoints of equal-probability
-    bins, scaled to mean 1, of which the simulator draws one per step as a factor. The three
+    quantiles of measured / fitted over the timed decode steps at the midpoints of
+    equal-probability bins, scaled to mean 1, of which the simulator draws the steps'
+    factors (each held for a stretch of simulated time). The three
     are absent in calibrations written before joint fits."""
 
     provenance: Provenance
