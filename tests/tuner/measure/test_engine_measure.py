@@ -56,9 +56,13 @@ def test_the_engine_section_records_model_fit_and_provenance(measured):
     for block_size, fit in engine.residuals.items():
         assert fit.points == 22 and 0 <= fit.rms_relative <= fit.max_relative, block_size
         assert engine.steps[block_size].fixed_s > 0
-    # Shared terms once for all sizes, with standard errors; a verdict on B; a spread.
-    shared = {k: v for k, v in engine.steps[8] if k != "per_block_s"}
-    assert shared == {k: v for k, v in engine.steps[16] if k != "per_block_s"}
+    # Shared terms once for all sizes (each times its size's scale, where the sizes' steps
+    # differ), with standard errors; a verdict on B; a spread.
+    scales = engine.size_scales or dict.fromkeys((8, 16), 1.0)
+    unscaled = [
+        {k: v / scales[b] for k, v in engine.steps[b] if k != "per_block_s"} for b in (8, 16)
+    ]
+    assert unscaled[0] == pytest.approx(unscaled[1], rel=1e-9)
     assert sorted(engine.standard_errors) == [8, 16]
     assert isinstance(engine.depends_on_block_size, bool)
     assert len(engine.step_spread) == 50 and engine.step_spread[0] > 0
@@ -85,14 +89,16 @@ def test_the_simulator_prices_steps_with_the_measured_coefficients(measured):
 def test_engine_steps_may_cover_fewer_block_sizes_than_the_kernel_but_no_others(measured, tmp_path):
     path, policy_path = measured
     data = yaml.safe_load(path.read_text())
-    for section in ("steps", "residuals", "standard_errors"):
+    sections = ["steps", "residuals", "standard_errors"]
+    sections += ["size_scales"] if data["engine"].get("size_scales") else []
+    for section in sections:
         del data["engine"][section][16]
     (tmp_path / "fewer.yaml").write_text(yaml.safe_dump(data))
     fewer = load_calibration(tmp_path / "fewer.yaml")
     assert fewer.block_sizes == (8,)
     with pytest.raises(CalibrationError, match=r"no costs for block sizes \[16\]"):
         StepCostModel(load_policy(policy_path), fewer).step_cost(16)
-    for section in ("steps", "residuals", "standard_errors"):
+    for section in sections:
         data["engine"][section][512] = data["engine"][section][8]
     (tmp_path / "other.yaml").write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match=r"engine.steps covers block sizes \[8, 512\]"):
