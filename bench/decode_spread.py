@@ -21,8 +21,10 @@ import time
 import numpy as np
 import torch
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_pretrained
+from blocktune.runtime.sampling import SamplingParams
 
 SETTLE_STEPS = 5
 

@@ -25,8 +25,10 @@ import time
 import torch
 from steady_batch import KV_BYTES, chat_prompts
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_pretrained
+from blocktune.runtime.sampling import SamplingParams
 
 
 def serve(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from vs_vllm import questions
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
+from blocktune.runtime.sampling import SamplingParams
 
 KV_BYTES = 2**30
 """The vs_vllm workload's KV pool."""

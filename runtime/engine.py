@@ -34,18 +34,17 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
-from blocktune.kernels import is_power_of_two
 from blocktune.kernels.cache_ops import copy_blocks, warmup_cache_ops
 from blocktune.kernels.cpu_attention import default_backend
 from blocktune.kernels.cpu_layer_ops import argmax_rows
-from blocktune.kernels.paged_attention import BACKENDS, warmup
+from blocktune.kernels.paged_attention import warmup
 from blocktune.runtime.block_manager import BlockManager, blocks_for
 from blocktune.runtime.block_table import BlockTable
-from blocktune.runtime.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_CANDIDATES
+from blocktune.runtime.config import EngineConfig
 from blocktune.runtime.hot_swap import (
     SwapRejected,
     SwapResult,
@@ -55,137 +54,20 @@ from blocktune.runtime.hot_swap import (
 )
 from blocktune.runtime.kv_cache import KVCache, slots_for_budget
 from blocktune.runtime.model import LlamaModel
+from blocktune.runtime.requests import (
+    FinishedRequest,
+    Request,
+    RequestError,
+    RequestOutput,
+    RequestTooLarge,
+    TokenLogprob,
+)
 from blocktune.runtime.sampling import SamplingParams, next_token_distribution
 
-__all__ = [
-    "Engine",
-    "EngineConfig",
-    "FinishedRequest",
-    "RequestError",
-    "RequestOutput",
-    "RequestTooLarge",
-    "SamplingParams",
-    "TokenLogprob",
-]
+__all__ = ["Engine"]
 
 SWAP_HISTORY = 100  # swap results kept for introspection
 log = logging.getLogger(__name__)
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve; the message names the bad value."""
-
-
-class RequestTooLarge(RequestError):
-    """A request whose tokens could never fit in the KV pool, even alone."""
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Pool size, batch limits and attention backend.
-
-    Give the pool as `num_blocks` (at `block_size`) or as `kv_bytes`; the pool
-    is a fixed number of token slots, so a later block-size change keeps it.
-    `max_model_len` defaults to the model's `max_position_embeddings` and
-    `attention_backend` to `default_backend` of its device (on a CPU the C kernel
-    that reads the blocks in place, where it builds). `max_num_batched_tokens`
-    bounds the tokens one step computes (decodes and prefill chunks together);
-    None computes every admitted prompt whole. It must cover `max_num_seqs`
-    decodes, and it excludes prefix caching (a preempted partial prefill would
-    leave cached blocks without their K/V).
-    """
-
-    block_size: int = DEFAULT_BLOCK_SIZE
-    num_blocks: int | None = None
-    kv_bytes: int | None = None
-    max_num_seqs: int = 32
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    attention_backend: str | None = None  # None: `default_backend` of the model's device
-    enable_prefix_caching: bool = False
-    candidate_block_sizes: tuple[int, ...] = DEFAULT_CANDIDATES
-    swap_staging_bytes: int = 64 * 2**20
-
-    def __post_init__(self) -> None:
-        if (self.num_blocks is None) == (self.kv_bytes is None):
-            raise ValueError("give exactly one of num_blocks and kv_bytes")
-        if self.attention_backend not in (*BACKENDS, None):
-            raise ValueError(
-                f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}"
-            )
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.max_num_batched_tokens is not None:
-            if self.max_num_batched_tokens < self.max_num_seqs:
-                raise ValueError(
-                    f"max_num_batched_tokens {self.max_num_batched_tokens} is below "
-                    f"max_num_seqs {self.max_num_seqs}: a step could not decode every row"
-                )
-            if self.enable_prefix_caching:
-                raise ValueError(
-                    "max_num_batched_tokens (chunked prefill) cannot be combined with "
-                    "enable_prefix_caching"
-                )
-        bad = [b for b in self.candidate_block_sizes if not is_power_of_two(b)]
-        if bad:
-            raise ValueError(f"candidate block sizes must be powers of two, got {bad}")
-        if self.block_size not in self.candidate_block_sizes:
-            raise ValueError(
-                f"block_size {self.block_size} is not among the candidate block sizes "
-                f"{self.candidate_block_sizes}"
-            )
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A sampled token's log-probability and the most likely tokens at its position."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What a step produced for one request (`logprob` of the new token when asked for;
-    in a request's first output, `prompt_logprobs` of its prompt tokens after the first)."""
-
-    request_id: int
-    new_token_ids: list[int]
-    token_ids: list[int]
-    finished: bool
-    finish_reason: str | None = None
-    logprob: TokenLogprob | None = None
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-@dataclass(frozen=True)
-class FinishedRequest:
-    """A finished request's lengths and times, for the tuner's window."""
-
-    request_id: int
-    prompt_tokens: int
-    output_tokens: int
-    arrival_s: float
-    finish_s: float
-    finish_reason: str
-
-
-@dataclass
-class _Request:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    arrival_s: float
-    generator: torch.Generator | None
-    output: list[int] = field(default_factory=list)
-    row: int | None = None
-    prefill_left: int = 0  # tokens of the admitted context whose K/V are not computed yet
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
 
 
 class Engine:
@@ -233,9 +115,9 @@ class Engine:
             model.device,
         )
         self._free_rows = list(range(config.max_num_seqs - 1, -1, -1))
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._requests: dict[int, _Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
         self._listeners: list[Callable[[FinishedRequest], None]] = []
         self.preemptions = 0
@@ -283,7 +165,7 @@ class Engine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else torch.seed()
             generator = torch.Generator().manual_seed(seed)
-        request = _Request(request_id, prompt, params, time.monotonic(), generator)
+        request = Request(request_id, prompt, params, time.monotonic(), generator)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = self._prompt_logprobs(prompt, params.prompt_logprobs)
         self._requests[request_id] = request
@@ -393,10 +275,10 @@ class Engine:
             return []
         return self._forward(decoding, chunks)
 
-    def _schedule_prefills(self, budget: float) -> list[tuple[_Request, int]]:
+    def _schedule_prefills(self, budget: float) -> list[tuple[Request, int]]:
         """(request, tokens) prefill chunks within `budget` tokens, oldest first: the
         partially prefilled request, then admissions while the budget lasts."""
-        chunks: list[tuple[_Request, int]] = []
+        chunks: list[tuple[Request, int]] = []
         for request in [r for r in self._running if r.prefill_left]:
             if budget <= 0:
                 return chunks
@@ -417,9 +299,9 @@ class Engine:
             budget -= chunks[-1][1]
         return chunks
 
-    def _grow(self, candidates: list[_Request]) -> list[_Request]:
+    def _grow(self, candidates: list[Request]) -> list[Request]:
         """Reserve a slot for each request's pending token, preempting the youngest if needed."""
-        grown: list[_Request] = []
+        grown: list[Request] = []
         for request in candidates:
             if request.row is None:  # preempted while making room for an older request
                 continue
@@ -433,7 +315,7 @@ class Engine:
                 grown.append(request)
         return grown
 
-    def _preempt(self, request: _Request) -> None:
+    def _preempt(self, request: Request) -> None:
         self.preemptions += 1
         self._running.remove(request)
         self._release(request)
@@ -451,7 +333,7 @@ class Engine:
             )
 
     def _forward(
-        self, decoding: list[_Request], chunks: list[tuple[_Request, int]]
+        self, decoding: list[Request], chunks: list[tuple[Request, int]]
     ) -> list[RequestOutput]:
         """Run the step's decodes and prefill chunks through the model; sample the decodes'
         next tokens and the first token of each request whose last chunk this is."""
@@ -589,12 +471,12 @@ class Engine:
         )
 
     # ------------------------------------------------------------------ sampling
-    def _sample_batch(self, batch: list[_Request], logits: torch.Tensor) -> list[int]:
+    def _sample_batch(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
         if all(r.params.greedy and not r.params.adjusts_logits for r in batch):
             return argmax_rows(logits)
         return [self._sample(r, logits[i]) for i, r in enumerate(batch)]
 
-    def _sample(self, request: _Request, logits: torch.Tensor) -> int:
+    def _sample(self, request: Request, logits: torch.Tensor) -> int:
         params = request.params
         if params.greedy and not params.adjusts_logits:
             return int(logits.argmax())
@@ -609,7 +491,7 @@ class Engine:
             return int(probs.argmax())
         return int(torch.multinomial(probs, 1, generator=request.generator))
 
-    def _accept(self, request: _Request, token: int, logits: torch.Tensor) -> RequestOutput:
+    def _accept(self, request: Request, token: int, logits: torch.Tensor) -> RequestOutput:
         request.output.append(token)
         params = request.params
         reason = None
@@ -636,7 +518,7 @@ class Engine:
             prompt_logprobs,
         )
 
-    def _finish(self, request: _Request, reason: str) -> None:
+    def _finish(self, request: Request, reason: str) -> None:
         if request.row is None:  # preempted, waiting to be recomputed
             self._waiting.remove(request)
         else:
@@ -654,7 +536,7 @@ class Engine:
         for listener in self._listeners:
             listener(record)
 
-    def _release(self, request: _Request) -> None:
+    def _release(self, request: Request) -> None:
         self.blocks.free(request.id)
         self.table.clear_row(request.row)
         self._free_rows.append(request.row)

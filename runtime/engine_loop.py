@@ -30,7 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from blocktune.runtime.defaults import DEFAULT_GATHER_S, GATHER_LIMIT_S
-from blocktune.runtime.engine import Engine, RequestError, RequestOutput, SamplingParams
+from blocktune.runtime.engine import Engine
+from blocktune.runtime.requests import RequestError, RequestOutput
+from blocktune.runtime.sampling import SamplingParams
 from blocktune.runtime.swap_result import SwapResult
 
 __all__ = ["EngineLoop", "EngineStepFailed", "Job"]

@@ -7,16 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from blocktune.runtime.engine import (
-    Engine,
-    EngineConfig,
-    FinishedRequest,
-    RequestError,
-    RequestTooLarge,
-    SamplingParams,
-)
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_weights
 from blocktune.runtime.model import LlamaModel
+from blocktune.runtime.requests import FinishedRequest, RequestError, RequestTooLarge
+from blocktune.runtime.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -7,10 +7,12 @@ import time
 
 import pytest
 
+from blocktune.runtime.config import EngineConfig
 from blocktune.runtime.defaults import GATHER_LIMIT_S
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.loading import load_weights
+from blocktune.runtime.sampling import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0)
 

@@ -12,10 +12,12 @@ from blocktune.kernels.cache_ops import copy_blocks
 from blocktune.kernels.paged_attention import KernelInputError, require_cpu_kernel, require_triton
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.runtime.block_table import BlockTable
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.hot_swap import SwapRejected, plan_swap, prepare_swap, write_staged
 from blocktune.runtime.kv_cache import KVCache
 from blocktune.runtime.loading import load_weights
+from blocktune.runtime.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

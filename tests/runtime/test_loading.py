@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_pretrained, load_weights, resolve_dtype
 from blocktune.runtime.model import (
     Llama3RopeScaling,
@@ -18,6 +19,7 @@ from blocktune.runtime.model import (
     ModelLoadError,
     UnsupportedModelError,
 )
+from blocktune.runtime.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,9 +4,11 @@ not write): a random checkpoint saved to disk, loaded back, same logits and gree
 import pytest
 import torch
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_weights
 from blocktune.runtime.model import ModelLoadError
+from blocktune.runtime.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 

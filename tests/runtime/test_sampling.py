@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from blocktune.runtime.engine import Engine, EngineConfig
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_pretrained
 from blocktune.runtime.sampling import SamplingParams, next_token_distribution
 
@@ -162,7 +163,7 @@ def test_the_engine_applies_bias_penalties_and_min_tokens(engine):
 
 
 def test_the_engine_refuses_out_of_range_settings(engine):
-    from blocktune.runtime.engine import RequestError
+    from blocktune.runtime.requests import RequestError
 
     vocab = engine.model.config.vocab_size
     for bad, message in (

@@ -7,8 +7,10 @@ import importlib.util
 import pytest
 import torch
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_pretrained, resolve_source
+from blocktune.runtime.sampling import SamplingParams
 
 pytestmark = [
     pytest.mark.slow,

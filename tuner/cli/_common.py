@@ -470,7 +470,7 @@ def engine_config_from_args(args: argparse.Namespace, *, block_size: int, candid
     """The `EngineConfig` of the engine flags, starting at `block_size`; `candidates` are the
     block sizes a swap may choose (the starting one is added) and `pool` sizes the KV pool
     (`kv_bytes` or `num_blocks`)."""
-    from blocktune.runtime.engine import EngineConfig
+    from blocktune.runtime.config import EngineConfig
 
     return EngineConfig(
         block_size=block_size,

@@ -27,8 +27,10 @@ def parse_swap(text: str) -> tuple[int, int]:
 
 def run_generate(args: argparse.Namespace) -> int:
     """Generate completions for every prompt in the file and print them."""
-    from blocktune.runtime.engine import Engine, RequestError, SamplingParams
+    from blocktune.runtime.engine import Engine
     from blocktune.runtime.model import ModelLoadError
+    from blocktune.runtime.requests import RequestError
+    from blocktune.runtime.sampling import SamplingParams
     from blocktune.tuner.cli.prompt_file import PromptFileError, read_prompts
 
     try:

@@ -33,8 +33,10 @@ import pandas as pd
 import torch
 import yaml
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import TINY_RANDOM, load_pretrained, resolve_source
+from blocktune.runtime.sampling import SamplingParams
 from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.traces.synth import Phase, customer_service_day
 from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_POLICY

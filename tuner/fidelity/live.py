@@ -62,7 +62,7 @@ def serve_live(
     between: Callable[[float], None] | None = None,
 ) -> Run:
     """Serve every request of `workload` on `engine` (see the module docstring)."""
-    from blocktune.runtime.engine import SamplingParams
+    from blocktune.runtime.sampling import SamplingParams
 
     n, arrivals = len(workload), workload.arrival_s
     first, finish = np.full(n, np.nan), np.full(n, np.nan)

@@ -619,7 +619,8 @@ def _live_run(
 def _engine(model: LlamaModel, server: StepCostModel, block_size: int, workload: Workload):
     """A fresh engine with the simulator's pool at `block_size` and the policy's batch limits
     (the attention backend `blocktune calibrate` measures: `default_backend`)."""
-    from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.config import EngineConfig
+    from blocktune.runtime.engine import Engine
 
     policy = server.policy
     return Engine(

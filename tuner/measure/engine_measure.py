@@ -503,7 +503,8 @@ def _with_error(term: str, values, errors, factor: float = 1.0) -> str:
 
 
 def _engine(model: LlamaModel, grid: EngineGrid, block_size: int, backend: str) -> Engine:
-    from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.config import EngineConfig
+    from blocktune.runtime.engine import Engine
 
     rows = max(grid.batch_sizes) + max(grid.admissions) + 2
     blocks = rows * (-(-grid.longest // block_size) + 1)
@@ -532,7 +533,7 @@ def _start(
 ):
     """Admit `count` requests of `context`-token prompts, each its own (no shared blocks),
     that decode `steps` more steps, in a step beside `beside` decodes."""
-    from blocktune.runtime.engine import SamplingParams
+    from blocktune.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
     ids = [engine.add_request(_prompt(engine, timing.rng, context), params) for _ in range(count)]
@@ -552,7 +553,8 @@ def warm_up_model(model: LlamaModel, backend: str) -> None:
     that what a process pays once (its weights packed for oneDNN by their first product:
     0.6 s of SmolLM2's first step on one thread here, 12 ms of tiny-random's) is paid before
     anything is timed. The simulator prices a warm engine, as a server is after its start."""
-    from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.config import EngineConfig
+    from blocktune.runtime.engine import Engine
 
     size = WARMUP_BLOCK_SIZE
     engine = Engine(
@@ -695,7 +697,7 @@ def _admission_point(
     step), beside `decoding` requests at the grid's middle context: the first, third...
     at a token count new to the process, each other one at the count of the step before
     (`_Timing`)."""
-    from blocktune.runtime.engine import SamplingParams
+    from blocktune.runtime.sampling import SamplingParams
 
     size = engine.block_size
     context = grid.context_lens[len(grid.context_lens) // 2]

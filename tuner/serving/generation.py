@@ -15,8 +15,9 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from blocktune.runtime.engine import RequestOutput, SamplingParams, TokenLogprob
 from blocktune.runtime.engine_loop import EngineLoop
+from blocktune.runtime.requests import RequestOutput, TokenLogprob
+from blocktune.runtime.sampling import SamplingParams
 from blocktune.runtime.tokenizer import IncrementalDecoder
 from blocktune.tuner.serving.worker_metrics import WorkerMetrics
 

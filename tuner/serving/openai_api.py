@@ -9,7 +9,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from blocktune.runtime.engine import SamplingParams, TokenLogprob
+from blocktune.runtime.requests import TokenLogprob
+from blocktune.runtime.sampling import SamplingParams
 from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.serving.generation import ChoiceText
 from blocktune.tuner.serving.openai_protocol import ChatCompletionRequest, CompletionRequest

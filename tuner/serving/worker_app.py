@@ -37,9 +37,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blocktune.runtime.engine import FinishedRequest, RequestError
 from blocktune.runtime.engine_loop import EngineLoop, EngineStepFailed
 from blocktune.runtime.hot_swap import SwapResult
+from blocktune.runtime.requests import FinishedRequest, RequestError
 from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.config.policy import ServerSettings
 from blocktune.tuner.operations import log_event

@@ -63,7 +63,8 @@ from blocktune.tuner.sidecar.vllm_metrics import VllmMetricsSource
 from blocktune.tuner.sim.window import LengthWindow, WindowSnapshot
 
 if TYPE_CHECKING:
-    from blocktune.runtime.engine import Engine, FinishedRequest
+    from blocktune.runtime.engine import Engine
+    from blocktune.runtime.requests import FinishedRequest
 
 Actuator = EngineActuator | HttpActuator | VllmProcessActuator | CommandActuator
 

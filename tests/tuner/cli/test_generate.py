@@ -11,8 +11,10 @@ import time
 import httpx
 import pytest
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_pretrained
+from blocktune.runtime.sampling import SamplingParams
 from blocktune.tuner.cli import main
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from blocktune.runtime.engine import Engine, EngineConfig
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_weights
 from blocktune.tuner.config.calibration import analytic_calibration
 from blocktune.tuner.config.policy import Policy

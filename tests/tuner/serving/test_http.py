@@ -8,7 +8,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from blocktune.runtime.engine import Engine, EngineConfig
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.loading import load_weights
 from blocktune.tuner.config.policy import ServerSettings, load_policy

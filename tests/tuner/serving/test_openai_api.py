@@ -5,7 +5,9 @@ import httpx
 import pytest
 import torch
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
+from blocktune.runtime.sampling import SamplingParams
 
 openai = pytest.importorskip("openai")
 

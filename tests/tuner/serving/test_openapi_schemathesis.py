@@ -24,7 +24,8 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from blocktune.runtime.engine import Engine, EngineConfig
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.loading import load_weights
 from blocktune.runtime.tokenizer import Tokenizer

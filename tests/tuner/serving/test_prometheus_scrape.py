@@ -9,7 +9,8 @@ import time
 import httpx
 import pytest
 
-from blocktune.runtime.engine import Engine, EngineConfig
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.loading import load_pretrained
 from blocktune.tuner.serving.worker_app import create_worker_app

@@ -10,9 +10,12 @@ import httpx
 import pytest
 import torch
 
-from blocktune.runtime.engine import Engine, EngineConfig, FinishedRequest, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.loading import load_weights
+from blocktune.runtime.requests import FinishedRequest
+from blocktune.runtime.sampling import SamplingParams
 from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.serving.worker_app import LengthPusher, create_worker_app
 

@@ -7,8 +7,10 @@ import httpx
 import pytest
 import torch
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.engine_loop import EngineLoop
+from blocktune.runtime.sampling import SamplingParams
 from blocktune.tuner.serving.worker_app import create_worker_app
 
 openai = pytest.importorskip("openai")

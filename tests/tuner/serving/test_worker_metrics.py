@@ -10,7 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from blocktune.runtime.engine import Engine, EngineConfig
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.engine_loop import EngineLoop
 from blocktune.runtime.loading import load_pretrained
 from blocktune.tuner.serving.worker_app import LengthPusher, create_worker_app

@@ -5,8 +5,10 @@ import importlib.util
 
 import pytest
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_pretrained
+from blocktune.runtime.sampling import SamplingParams
 
 openai = pytest.importorskip("openai")
 pytestmark = [

@@ -8,8 +8,10 @@ import time
 import httpx
 import pytest
 
-from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+from blocktune.runtime.config import EngineConfig
+from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import load_weights
+from blocktune.runtime.sampling import SamplingParams
 from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.serving.worker_app import EngineLoop, create_worker_app
 

@@ -224,8 +224,10 @@ def test_readiness_follows_the_actuator_and_shows_its_last_swap(live_server, mon
 
 
 def test_in_process_engine_swaps_when_the_window_shifts():
-    from blocktune.runtime.engine import Engine, EngineConfig, SamplingParams
+    from blocktune.runtime.config import EngineConfig
+    from blocktune.runtime.engine import Engine
     from blocktune.runtime.loading import load_weights
+    from blocktune.runtime.sampling import SamplingParams
 
     engine = Engine(load_weights("tiny-random"), EngineConfig(block_size=16, num_blocks=256))
     policy = POLICY.model_copy(
@@ -272,7 +274,8 @@ def test_an_engine_and_an_http_actuator_exclude_each_other():
 
 
 def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
-    from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.config import EngineConfig
+    from blocktune.runtime.engine import Engine
     from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.loading import load_weights
     from blocktune.runtime.tokenizer import Tokenizer

@@ -266,7 +266,8 @@ def _quiet_scheduler(caplog):
 def test_pointed_at_blocktunes_worker_it_fills_the_window(live_server):
     """The worker exports vLLM's names, so the vLLM source reads it as it reads vLLM: each
     finished request becomes one observation, inside its histogram buckets."""
-    from blocktune.runtime.engine import Engine, EngineConfig
+    from blocktune.runtime.config import EngineConfig
+    from blocktune.runtime.engine import Engine
     from blocktune.runtime.engine_loop import EngineLoop
     from blocktune.runtime.loading import load_pretrained
     from blocktune.tuner.serving.worker_app import create_worker_app
