@@ -1,0 +1,67 @@
+"""The worker's answers as JSON, and every refusal of it as an OpenAI error object.
+
+Bodies are written ASCII-escaped, so no text (a lone surrogate included) can
+break the encoding; a 422 names each bad field without echoing the input.
+"""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from blocktune.runtime.requests import RequestError
+from blocktune.tuner.serving.openai_api import OpenAIError
+
+__all__ = ["add_error_handlers", "json_response", "refusal", "refusal_body"]
+
+
+def json_response(body: dict, status_code: int = 200, headers: dict | None = None) -> Response:
+    """`body` as an ASCII-escaped JSON response."""
+    return Response(
+        json.dumps(body, allow_nan=False), status_code, headers, media_type="application/json"
+    )
+
+
+def refusal(error: Exception) -> OpenAIError:
+    """The error object for an exception that ended an engine job."""
+    if isinstance(error, RequestError):
+        return OpenAIError(400, str(error))
+    return OpenAIError(503, str(error), type="server_error")
+
+
+def refusal_body(status: int, message: str) -> dict:
+    """A refusal of the guard middlewares as an OpenAI error object."""
+    return OpenAIError(status, message).body
+
+
+def _validation_error(_: Request, error: RequestValidationError) -> Response:
+    """422 naming each bad field; the input itself is never echoed (NaN or a lone surrogate
+    cannot be written as JSON)."""
+    problems = [
+        (".".join(str(part) for part in e["loc"] if part != "body") or "body", e["msg"])
+        for e in error.errors()
+    ]
+    message = "; ".join(f"{where}: {what}" for where, what in problems[:5])
+    param = problems[0][0] if problems else None
+    return json_response(OpenAIError(422, message or "invalid request", param=param).body, 422)
+
+
+async def _openai_error(_: Request, error: OpenAIError) -> Response:
+    return json_response(error.body, error.status)
+
+
+async def _http_error(_: Request, error: StarletteHTTPException) -> Response:
+    kind = "server_error" if error.status_code >= 500 else "invalid_request_error"
+    body = OpenAIError(error.status_code, str(error.detail), type=kind).body
+    return json_response(body, error.status_code, error.headers)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every refusal in OpenAI's error shape, whatever raised it."""
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
