@@ -37,13 +37,13 @@ from blocktune.runtime.block_manager import blocks_for
 from blocktune.runtime.engine import Engine
 from blocktune.tuner.config.calibration import prefill_pairs
 from blocktune.tuner.fidelity.live import serve_live
-from blocktune.tuner.fidelity.served_metrics import ServedMetrics
 from blocktune.tuner.fidelity.validation import _engine
 from blocktune.tuner.measure.engine_measure import (
     STEP_CLOCKS,
     measure_engine,
 )
 from blocktune.tuner.measure.step_fit import TimedStep, predict_step_s
+from blocktune.tuner.sim.served import ServedMetrics
 from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 
@@ -164,7 +164,7 @@ def main() -> None:
         probe.take(PROBE_BURST)
         server = StepCostModel(served, calibration.with_engine(engine_calibration))
         run = simulate(workload, server, size)
-        metrics = ServedMetrics.of(workload, run)
+        metrics = ServedMetrics.of(run, workload)
         report("predicted", metrics, run.steps, run.busy_s, probe.median_since(start))
         if round_ == args.rounds:
             break
@@ -172,7 +172,7 @@ def main() -> None:
         config = _engine(model, server, size, workload).config
         engine = RecordingEngine(model, config)
         live = serve_live(engine, workload, timer=probe.probing_timer(args.probe_every))
-        metrics = ServedMetrics.of(workload, live)
+        metrics = ServedMetrics.of(live, workload)
         report("live", metrics, live.steps, live.busy_s, probe.median_since(start))
         coefficients = engine_calibration.steps[size]
         for step in engine.timed:

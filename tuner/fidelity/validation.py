@@ -73,10 +73,16 @@ import scipy.stats
 from blocktune.tuner.config.calibration import Calibration
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.live import serve_live
-from blocktune.tuner.fidelity.served_metrics import HIGHER_IS_BETTER, ServedMetrics
+from blocktune.tuner.fidelity.served_metrics import (
+    HIGHER_IS_BETTER,
+    mean_of,
+    predict,
+    prediction_method,
+)
 from blocktune.tuner.measure.engine_measure import EngineGrid
 from blocktune.tuner.measure.processes import map_in_processes
 from blocktune.tuner.measure.step_fit import TimedStep, fit_steps
+from blocktune.tuner.sim.served import ServedMetrics
 from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
@@ -159,7 +165,7 @@ class BlockSizeCheck:
 
     @property
     def measured(self) -> ServedMetrics:
-        return ServedMetrics.mean(self.measured_runs)
+        return mean_of(self.measured_runs)
 
     def error(self, metric: str) -> float:
         """predicted / measured - 1 (0 when both are 0, nan when only the measurement is)."""
@@ -420,13 +426,13 @@ def validate(
     checks = []
     for b in sizes:
         progress(f"B={b}: simulating")
-        predicted = ServedMetrics.predicted(kept, server, b, seed=seed)
+        predicted = predict(kept, server, b, seed=seed)
         runs_of_b = tuple(m for size, m in zip(order, measured, strict=True) if size == b)
         progress(f"B={b}: the prediction's sensitivity to the step time")
-        sensitivity = step_sensitivity(kept, server, b, predicted, ServedMetrics.mean(runs_of_b))
+        sensitivity = step_sensitivity(kept, server, b, predicted, mean_of(runs_of_b))
         if draws:
             progress(f"B={b}: predicting with {len(draws)} refits of the calibration")
-        again = tuple(ServedMetrics.predicted(kept, d, b, seed=seed) for d in draws)
+        again = tuple(predict(kept, d, b, seed=seed) for d in draws)
         checks.append(BlockSizeCheck(b, predicted, runs_of_b, sensitivity, again))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
     setup = {
@@ -438,7 +444,7 @@ def validate(
         ),
         "runs": runs,
         "calibration_draws": len(draws),
-        "prediction": ServedMetrics.prediction_method(server, seed),
+        "prediction": prediction_method(server, seed),
     }
     return Validation(trace=trace, setup=setup, checks=checks, calibration=calibration)
 
@@ -469,7 +475,7 @@ def step_sensitivity(
     predicted: ServedMetrics,
     measured: ServedMetrics,
 ) -> StepSensitivity:
-    """The `StepSensitivity` of `predicted` (`ServedMetrics.predicted` for `workload` on
+    """The `StepSensitivity` of `predicted` (`served_metrics.predict` for `workload` on
     `server` at `block_size`) against `measured`: its TPOT p50 comes from the run at the
     fitted step times, so the scaled runs are priced at theirs."""
 
@@ -477,7 +483,7 @@ def step_sensitivity(
         if scale == 1:
             return predicted.tpot_p50_s
         scaled = replace(server, step_scale=server.step_scale * scale, sample_spread=False)
-        return ServedMetrics.of(workload, simulate(workload, scaled, block_size)).tpot_p50_s
+        return ServedMetrics.of(simulate(workload, scaled, block_size), workload).tpot_p50_s
 
     base = predicted.tpot_p50_s
     change = tpot_p50(SENSITIVITY_SCALE) / base - 1 if base > 0 else math.nan
@@ -613,7 +619,7 @@ def _live_run(
     del engine  # free this pool before the next one is allocated
     steps = [] if timer is None else timer.close()
     gc.collect()
-    return ServedMetrics.of(workload, live), steps
+    return ServedMetrics.of(live, workload), steps
 
 
 def _engine(model: LlamaModel, server: StepCostModel, block_size: int, workload: Workload):

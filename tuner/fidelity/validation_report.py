@@ -26,7 +26,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from blocktune.tuner.config.jsonable import to_jsonable
-from blocktune.tuner.fidelity.served_metrics import METRICS
+from blocktune.tuner.fidelity.served_metrics import METRICS, compared
 from blocktune.tuner.fidelity.validation import (
     MATCHING_SCALE_RANGE,
     SENSITIVITY_SCALE,
@@ -64,9 +64,9 @@ def validation_dict(validation: Validation) -> dict:
     results = [
         {
             "block_size": c.block_size,
-            "predicted": asdict(c.predicted),
-            "measured": asdict(c.measured),
-            "measured_runs": [asdict(r) for r in c.measured_runs],
+            "predicted": compared(c.predicted),
+            "measured": compared(c.measured),
+            "measured_runs": [compared(r) for r in c.measured_runs],
             "relative_error": {m: c.error(m) for m in METRICS},
             "noise": {m: c.noise(m) for m in METRICS},
             "calibration_noise": {m: c.calibration_noise(m) for m in METRICS},

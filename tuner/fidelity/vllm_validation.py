@@ -33,11 +33,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blocktune.tuner.config.calibration import Calibration, CalibrationError, EngineModel
 from blocktune.tuner.config.policy import ModelShape, Policy
-from blocktune.tuner.fidelity.served_metrics import METRICS, ServedMetrics
+from blocktune.tuner.fidelity.served_metrics import mean_of, predict, prediction_method
 from blocktune.tuner.fidelity.validation import BlockSizeCheck, Validation, step_sensitivity
 from blocktune.tuner.measure.vllm_measure import VllmClient
 from blocktune.tuner.measure.vllm_server import VllmServer
-from blocktune.tuner.sim.forecast import ServingMetrics
+from blocktune.tuner.sim.served import ServedMetrics
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
 
@@ -119,8 +119,11 @@ class VllmPool:
         self._client.close()
 
 
-def replay(client: VllmClient, pool: VllmPool, workload: Workload) -> ServedMetrics:
-    """Send the workload at its arrival times (from now) and measure how it was served."""
+def replay(
+    client: VllmClient, pool: VllmPool, workload: Workload, block_bytes: int
+) -> ServedMetrics:
+    """Send the workload at its arrival times (from now) and measure how it was served (its
+    peak KV in bytes from the blocks in use, `block_bytes` each)."""
     _, preempted_before = pool.scrape()
     offsets = workload.arrival_s - workload.arrival_s[0]
     prompts = [client.prompt(int(n)) for n in workload.prompt_tokens]
@@ -138,14 +141,12 @@ def replay(client: VllmClient, pool: VllmPool, workload: Workload) -> ServedMetr
     peak = pool.stop()
     _, preempted_after = pool.scrape()
     origin = float(workload.arrival_s[0])
-    times = ServingMetrics.of_times(
+    return ServedMetrics.of_times(
         workload,
         np.array([origin + s.first_token_s - start for s in streams]),
         np.array([origin + s.finish_s - start for s in streams]),
         np.array([len(s.token_s) for s in streams]),
-    )
-    return ServedMetrics(
-        **{key: getattr(times, key) for key in METRICS[:5]},
+        peak_kv_bytes=peak * block_bytes,
         peak_kv_blocks=peak,
         preemptions=preempted_after - preempted_before,
     )
@@ -192,10 +193,10 @@ def validate_vllm(
     checks, vllm_blocks = [], {}
     for block_size in served.candidates:
         progress(f"B={block_size}: simulating")
-        predicted = ServedMetrics.predicted(kept, server, block_size, seed=seed)
+        predicted = predict(kept, server, block_size, seed=seed)
         progress(f"B={block_size}: starting vLLM")
         log_file = log_folder / f"vllm-validate-b{block_size}.log"
-        measured = []
+        measured, block_bytes = [], block_size * server.kv_bytes_per_slot
         with VllmServer(
             template, block_size, log_file, start_timeout_s=start_timeout_s, env=env
         ) as vllm:
@@ -205,12 +206,12 @@ def validate_vllm(
                 client.stream(client.prompt(16), 4)  # warm-up
                 for i in range(runs):
                     progress(f"B={block_size}: run {i + 1} of {runs} ({len(kept)} requests)")
-                    measured.append(replay(client, pool, kept))
+                    measured.append(replay(client, pool, kept, block_bytes))
             finally:
                 client.close()
                 pool.close()
             vllm_blocks[block_size] = pool.num_blocks
-        mean = ServedMetrics.mean(tuple(measured))
+        mean = mean_of(tuple(measured))
         sensitivity = step_sensitivity(kept, server, block_size, predicted, mean)
         checks.append(BlockSizeCheck(block_size, predicted, tuple(measured), sensitivity))
     trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
@@ -221,7 +222,7 @@ def validate_vllm(
         "calibration": calibration.describe(),
         "block_size_effect": calibration.engine.block_size_verdict(),
         "runs": runs,
-        "prediction": ServedMetrics.prediction_method(server, seed),
+        "prediction": prediction_method(server, seed),
         "engine": "vllm",
     }
     return Validation(trace=trace, setup=setup, checks=checks)

@@ -25,11 +25,8 @@ from blocktune.tuner.replay.runner import (
     ReplayReport,
     static_name,
 )
-from blocktune.tuner.sim.forecast import (
-    CHALLENGER_TOLERANCE,
-    ServingMetrics,
-    goal_higher_is_better,
-)
+from blocktune.tuner.sim.forecast import CHALLENGER_TOLERANCE, goal_higher_is_better
+from blocktune.tuner.sim.served import ServedMetrics
 
 __all__ = [
     "RESULT_KEYS",
@@ -153,7 +150,7 @@ def _columns(goal: str) -> tuple:
         ("policy", "", lambda r: r.policy),
         ("B", "tokens", lambda r: "-" if r.block_size is None else str(r.block_size)),
         (title, unit, lambda r: f"{r.goal_value:.{decimals}f}"),
-        *ServingMetrics.columns(lambda r: r),
+        *ServedMetrics.columns(lambda r: r),
         ("e2e p99", "s", lambda r: f"{r.e2e_p99_s:.2f}"),
         ("peak KV", "", lambda r: format_bytes(r.peak_kv_bytes)),
         ("mean KV", "", lambda r: format_bytes(r.mean_kv_bytes)),

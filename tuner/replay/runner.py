@@ -54,7 +54,8 @@ from blocktune.tuner.replay.objective import (
     overloaded,
     within_slo,
 )
-from blocktune.tuner.sim.forecast import ServingMetrics, goal_higher_is_better, relative_gain
+from blocktune.tuner.sim.forecast import goal_higher_is_better, relative_gain
+from blocktune.tuner.sim.served import ServedMetrics
 from blocktune.tuner.sim.simulator import Controller, Run, simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import EmptyWorkload, Workload
@@ -91,8 +92,8 @@ def static_name(block_size: int) -> str:
 
 
 @dataclass(frozen=True)
-class PolicyResult(ServingMetrics):
-    """One policy's serving metrics (`ServingMetrics`: seconds of trace time, bytes of K and
+class PolicyResult(ServedMetrics):
+    """One policy's serving metrics (`ServedMetrics`: seconds of trace time, bytes of K and
     V across all layers) with what a replay adds.
 
     `block_size` is None for the policies that change it. `goal_value` is the
@@ -125,7 +126,7 @@ class PolicyResult(ServingMetrics):
         return cls(
             policy=name,
             block_size=block_size,
-            **asdict(ServingMetrics.of(run, workload)),  # latencies, peak KV, preemptions
+            **asdict(ServedMetrics.of(run, workload)),  # latencies, peak KV, preemptions
             mean_kv_bytes=run.kv_byte_s / run.end_s if run.end_s > 0 else 0.0,
             padding_ratio=run.padding_ratio,
             swaps=run.swaps,
@@ -248,7 +249,7 @@ class ReplayPlan:
     def _value(self, on: str, run: Run) -> float:
         """A run's score on the goal or on ``tokens_per_s``."""
         if on == TOKENS_PER_S:
-            return ServingMetrics.of(run, self.workload).tokens_per_s
+            return ServedMetrics.of(run, self.workload).tokens_per_s
         return goal_value(self.policy.goal, run, self.workload, self.policy.slo)
 
     def compared_on(self, played: Mapping[str, Played]) -> str:

@@ -3,7 +3,7 @@
 The window's latest requests (their lengths and arrival process) are replayed
 through the serving simulator that `blocktune replay` runs, once per candidate
 block size, at the observed load and at the policy's `headroom` multiple of it.
-Each run gives the serving metrics a user feels (tokens/s, TTFT and TPOT
+Each run gives the metrics a user feels (`ServedMetrics`: tokens/s, TTFT and TPOT
 percentiles, peak KV, preemptions). The **capacity** of a block size is the
 largest multiple of the observed arrival rate at which the policy's SLO (TTFT
 p99 and TPOT p99) still holds, found by bisection on a log scale within
@@ -60,14 +60,13 @@ per-resample gains for `gain_interval`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 
 from blocktune.tuner.config.calibration import Calibration
 from blocktune.tuner.config.policy import Policy, SloSettings
+from blocktune.tuner.sim.served import ServedMetrics, percentiles
 from blocktune.tuner.sim.simulator import Run, simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.window import WindowSnapshot
@@ -81,11 +80,9 @@ __all__ = [
     "Estimate",
     "Forecast",
     "Forecaster",
-    "ServingMetrics",
     "noise_interval",
     "offered_tokens_per_s",
     "peak_load",
-    "percentiles",
     "window_rate_scale",
 ]
 
@@ -139,85 +136,6 @@ docstring)."""
 
 
 @dataclass(frozen=True)
-class ServingMetrics:
-    """One served run as a user sees it (seconds; KV bytes across all layers).
-
-    TTFT runs from arrival to the first token, TPOT is the mean time between a
-    request's later tokens, e2e from arrival to the last token; `tokens_per_s`
-    counts generated tokens over the span from the first arrival to the last
-    finish.
-    """
-
-    tokens_per_s: float
-    ttft_p50_s: float
-    ttft_p99_s: float
-    tpot_p50_s: float
-    tpot_p99_s: float
-    e2e_p99_s: float
-    peak_kv_bytes: int
-    preemptions: int
-
-    @classmethod
-    def of(cls, run: Run, workload: Workload) -> ServingMetrics:
-        """The metrics of `run`, a simulation of `workload`."""
-        return cls.of_times(
-            workload,
-            run.first_token_s,
-            run.finish_s,
-            run.generated,
-            peak_kv_bytes=int(run.peak_kv_bytes),
-            preemptions=int(run.preemptions),
-        )
-
-    @classmethod
-    def of_times(
-        cls,
-        workload: Workload,
-        first_token_s: np.ndarray,
-        finish_s: np.ndarray,
-        generated: np.ndarray,
-        *,
-        peak_kv_bytes: int = 0,
-        preemptions: int = 0,
-    ) -> ServingMetrics:
-        """The metrics of a served workload, simulated or live, from its per-row first-token
-        and finish times and generated tokens (TPOT over requests of 2+ tokens)."""
-        arrival, outputs = workload.arrival_s, workload.output_tokens
-        later = outputs > 1
-        tpot = (finish_s[later] - first_token_s[later]) / (outputs[later] - 1)
-        span = float(np.max(finish_s)) - float(arrival[0])
-        tpot_p50, tpot_p99 = percentiles(tpot, (50, 99)) if len(tpot) else (np.nan, np.nan)
-        ttft_p50, ttft_p99 = percentiles(first_token_s - arrival, (50, 99))
-        return cls(
-            tokens_per_s=float(generated.sum()) / span if span > 0 else math.nan,
-            ttft_p50_s=float(ttft_p50),
-            ttft_p99_s=float(ttft_p99),
-            tpot_p50_s=float(tpot_p50),
-            tpot_p99_s=float(tpot_p99),
-            e2e_p99_s=percentiles(finish_s - arrival, (99,))[0],
-            peak_kv_bytes=peak_kv_bytes,
-            preemptions=preemptions,
-        )
-
-    @staticmethod
-    def columns(of: Callable[[Any], Any]) -> tuple:
-        """`text_table` columns (title, unit, cell) of tokens/s and the TTFT and TPOT
-        percentiles of the metrics `of(row)` gives (a `ServingMetrics` or alike)."""
-        return (
-            ("tok/s", "", lambda row: f"{of(row).tokens_per_s:.1f}"),
-            ("TTFT p50", "s", lambda row: f"{of(row).ttft_p50_s:.3f}"),
-            ("TTFT p99", "s", lambda row: f"{of(row).ttft_p99_s:.3f}"),
-            ("TPOT p50", "ms", lambda row: f"{of(row).tpot_p50_s * 1e3:.1f}"),
-            ("TPOT p99", "ms", lambda row: f"{of(row).tpot_p99_s * 1e3:.1f}"),
-        )
-
-    def meets(self, slo: SloSettings) -> bool:
-        """Whether both p99 latencies are within the SLO (no TPOT counts as within)."""
-        tpot_ok = math.isnan(self.tpot_p99_s) or self.tpot_p99_s <= slo.tpot_p99_s
-        return self.ttft_p99_s <= slo.ttft_p99_s and tpot_ok
-
-
-@dataclass(frozen=True)
 class Estimate:
     """One candidate on one sample: its capacity (load multiple), the token rate it generates
     when saturated and its TTFT p99 at the headroom load."""
@@ -246,8 +164,8 @@ class Forecast:
     saturated token rate, and the same on every bootstrap resample (`resampled`)."""
 
     block_size: int
-    observed: ServingMetrics
-    headroom: ServingMetrics
+    observed: ServedMetrics
+    headroom: ServedMetrics
     capacity: float
     sustained_tokens_per_s: float = math.nan
     resampled: tuple[Estimate, ...] = ()
@@ -312,31 +230,6 @@ def peak_load(snapshot: WindowSnapshot, *, at_window_rate: bool = False) -> floa
     if not (timed.any() and math.isfinite(reference) and reference > 0):
         return 1.0
     return max(1.0, float(np.max(tokens[timed] / spans[timed])) / reference)
-
-
-def percentiles(values: np.ndarray, qs: tuple[float, ...]) -> list[float]:
-    """`np.percentile(values, qs)` (its default, linear method) bit for bit, for the small
-    arrays of one simulated run, where numpy's own call costs more than the sort: a
-    forecast takes a few hundred of them. NaN wherever `values` holds one."""
-    ordered = np.sort(values)
-    last = len(ordered) - 1
-    if last < 0:
-        raise ValueError("percentiles of an empty array")
-    if math.isnan(ordered[last]):
-        return [math.nan] * len(qs)
-    out = []
-    for q in qs:
-        index = (q / 100) * last
-        low = math.floor(index)
-        if low >= last:
-            out.append(float(ordered[last]))
-            continue
-        gamma = index - low
-        below, above = ordered[low], ordered[low + 1]
-        diff = above - below
-        # numpy's lerp: from the nearer end, so that gamma 1 gives `above` exactly
-        out.append(float(above - diff * (1 - gamma) if gamma >= 0.5 else below + diff * gamma))
-    return out
 
 
 def noise_interval(values: np.ndarray, point: float) -> tuple[float, float]:
@@ -417,10 +310,10 @@ class Forecaster:
         ).without_longer_than(fits)
         return workload if len(workload) >= 2 else None
 
-    def metrics(self, workload: Workload, block_size: int, load: float) -> ServingMetrics:
+    def metrics(self, workload: Workload, block_size: int, load: float) -> ServedMetrics:
         """Serve `workload` at `load` times its arrival rate at a fixed `block_size`."""
         scaled = replace(workload, arrival_s=workload.arrival_s / load)
-        return ServingMetrics.of(simulate(scaled, self.server, block_size), scaled)
+        return ServedMetrics.of(simulate(scaled, self.server, block_size), scaled)
 
     def sustained_load(self, workload: Workload, block_size: int) -> float:
         """The multiple of `workload`'s arrival rate that the server sustains at `block_size`:
@@ -561,7 +454,7 @@ class Forecaster:
         guess: float,
         step: float,
         tolerance: float = CAPACITY_TOLERANCE,
-        known: tuple[ServingMetrics, ServingMetrics] | None = None,
+        known: tuple[ServedMetrics, ServedMetrics] | None = None,
         far_share: float = 0.0,
         settle_at: float = -math.inf,
         slope: float | None = None,
@@ -653,7 +546,7 @@ def _interpolated(meets: _Meets, low: float, high: float, tolerance: float) -> f
     return math.exp(min(max(x, a + inset), b - inset))
 
 
-def _slope(runs: tuple[ServingMetrics, ServingMetrics], policy: Policy) -> float | None:
+def _slope(runs: tuple[ServedMetrics, ServedMetrics], policy: Policy) -> float | None:
     """How fast the SLO margin grows per unit of log load, between a size's runs at the
     observed and at the headroom load (None where it does not grow): a chord, so at most the
     slope near the capacity, and a step it suggests overshoots rather than falls short."""
@@ -661,9 +554,9 @@ def _slope(runs: tuple[ServingMetrics, ServingMetrics], policy: Policy) -> float
     return rise / math.log(policy.headroom) if rise > 0 and policy.headroom > 1 else None
 
 
-def _margin(metrics: ServingMetrics, slo: SloSettings) -> float:
+def _margin(metrics: ServedMetrics, slo: SloSettings) -> float:
     """How far a run is from the SLO: the log of its tightest p99 over its limit (at most 0
-    exactly where `ServingMetrics.meets` holds; no TPOT counts as within)."""
+    exactly where `ServedMetrics.meets` holds; no TPOT counts as within)."""
     ratio = metrics.ttft_p99_s / slo.ttft_p99_s
     if not math.isnan(metrics.tpot_p99_s):
         ratio = max(ratio, metrics.tpot_p99_s / slo.tpot_p99_s)
@@ -702,6 +595,6 @@ class _Meets:
             self.learn(load, self.forecaster.metrics(self.workload, self.block_size, load))
         return self.margins[load] <= 0
 
-    def learn(self, load: float, metrics: ServingMetrics) -> None:
+    def learn(self, load: float, metrics: ServedMetrics) -> None:
         """Remember the margin of a run served at `load`."""
         self.margins[load] = _margin(metrics, self.forecaster.policy.slo)

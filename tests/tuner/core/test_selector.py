@@ -15,9 +15,9 @@ from blocktune.tuner.sim.forecast import (
     Estimate,
     Forecast,
     Forecaster,
-    ServingMetrics,
     noise_interval,
 )
+from blocktune.tuner.sim.served import ServedMetrics
 from blocktune.tuner.sim.window import LengthWindow
 
 POLICIES = Path(__file__).resolve().parents[3] / "policies"
@@ -166,8 +166,8 @@ def test_the_decision_as_json_names_its_choice_and_predictions():
         assert isinstance(row["capacity"], float)
 
 
-def _metrics(ttft_p99_s: float = 0.1) -> ServingMetrics:
-    return ServingMetrics(100.0, 0.05, ttft_p99_s, 0.05, 0.06, 1.0, 0, 0)
+def _metrics(ttft_p99_s: float = 0.1) -> ServedMetrics:
+    return ServedMetrics(100.0, 0.05, ttft_p99_s, 0.05, 0.06, 1.0, 0, 0, 0)
 
 
 def _forecast(size: int, capacity: float, resampled: list[float], tokens_per_s: float = 100.0):

@@ -18,13 +18,19 @@ from blocktune.runtime.loading import load_weights
 from blocktune.tuner.config.calibration import analytic_calibration
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.live import prompt_ids, serve_live
-from blocktune.tuner.fidelity.served_metrics import ServedMetrics
+from blocktune.tuner.fidelity.served_metrics import (
+    METRICS,
+    compared,
+    predict,
+    prediction_method,
+)
 from blocktune.tuner.fidelity.validation import RANK_METRICS, BlockSizeCheck, Validation
 from blocktune.tuner.fidelity.validation_report import (
     format_ranking,
     format_validation_table,
     validation_dict,
 )
+from blocktune.tuner.sim.served import ServedMetrics
 from blocktune.tuner.sim.simulator import simulate
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
@@ -133,11 +139,34 @@ def test_prompts_share_exactly_the_tokens_their_prefix_hashes_cover():
 
 
 def _metrics(tokens_per_s, tpot_p50_s=0.01, ttft_p99_s=0.2):
-    return ServedMetrics(tokens_per_s, 0.1, ttft_p99_s, tpot_p50_s, 0.02, 10.0, 0.0)
+    return ServedMetrics(
+        tokens_per_s=tokens_per_s,
+        ttft_p50_s=0.1,
+        ttft_p99_s=ttft_p99_s,
+        tpot_p50_s=tpot_p50_s,
+        tpot_p99_s=0.02,
+        e2e_p99_s=0.5,
+        peak_kv_bytes=10 * 2**20,
+        peak_kv_blocks=10.0,
+        preemptions=0.0,
+    )
 
 
 def _check(size, predicted, *runs):
     return BlockSizeCheck(size, _metrics(*predicted), tuple(_metrics(*r) for r in runs))
+
+
+def test_the_json_of_a_check_holds_the_compared_metrics_of_each_side():
+    """A served run's record holds more (e2e p99, peak KV bytes) than the check compares;
+    the JSON's predicted, measured and per-run objects hold exactly `METRICS`."""
+    check = _check(8, (99,), (100, 0.01), (102, 0.03))
+    result = validation_dict(Validation(trace={}, setup={}, checks=[check]))["results"][0]
+    assert tuple(result["predicted"]) == tuple(result["measured"]) == METRICS
+    assert result["predicted"] == compared(_metrics(99))
+    assert result["measured"]["tokens_per_s"] == 101.0
+    assert result["measured"]["tpot_p50_s"] == pytest.approx(0.02)
+    assert [run["tokens_per_s"] for run in result["measured_runs"]] == [100, 102]
+    assert check.measured.peak_kv_bytes == 10 * 2**20  # the mean keeps every field
 
 
 def test_rankings_compare_only_block_sizes_apart_beyond_the_run_to_run_noise():
@@ -367,11 +396,11 @@ def test_the_step_sensitivity_finds_the_step_scale_that_matches_the_measured_tpo
     rng = np.random.default_rng(3)
     workload = _workload(np.sort(rng.uniform(0, 4, 20)), rng.integers(4, 60, 20), [9] * 20)
     server = _server(200)
-    predicted = ServedMetrics.of(workload, simulate(workload, server, 8))
+    predicted = ServedMetrics.of(simulate(workload, server, 8), workload)
     assert predicted.tpot_p50_s == STEP_S  # one token per step of a constant time
     # Steps 1.3x as long make every TPOT 1.3x: the search finds that scale within 1%.
     slower = replace(server, step_scale=1.3)
-    measured = ServedMetrics.of(workload, simulate(workload, slower, 8))
+    measured = ServedMetrics.of(simulate(workload, slower, 8), workload)
     sensitivity = step_sensitivity(workload, server, 8, predicted, measured)
     assert sensitivity.tpot_p50_change == pytest.approx(0.1)
     assert sensitivity.matching_step_scale == pytest.approx(1.3, rel=0.01)
@@ -454,26 +483,22 @@ def test_a_prediction_takes_its_central_figures_at_the_fitted_times_and_its_tail
     workload = _workload(np.sort(rng.uniform(0, 3, 40)), rng.integers(10, 300, 40), [20] * 40)
     server = _calibrated_server((0.5, 0.7, 0.9, 1.0, 1.3, 1.6))
     fitted = ServedMetrics.of(
-        workload, simulate(workload, replace(server, sample_spread=False), 16)
+        simulate(workload, replace(server, sample_spread=False), 16), workload
     )
-    sampled = ServedMetrics.of(workload, simulate(workload, server, 16, seed=3))
+    sampled = ServedMetrics.of(simulate(workload, server, 16, seed=3), workload)
     # The two runs differ in every figure compared, so the test tells which run each is from.
     assert fitted.tpot_p50_s != sampled.tpot_p50_s and fitted.tpot_p99_s != sampled.tpot_p99_s
     assert fitted.ttft_p99_s != sampled.ttft_p99_s and fitted.tokens_per_s != sampled.tokens_per_s
-    predicted = ServedMetrics.predicted(workload, server, 16, seed=3)
+    predicted = predict(workload, server, 16, seed=3)
     assert predicted == replace(
         fitted, ttft_p99_s=sampled.ttft_p99_s, tpot_p99_s=sampled.tpot_p99_s
     )
     # Without a spread the two runs are one: the prediction is the fitted run's.
     plain = _calibrated_server(())
-    assert ServedMetrics.predicted(workload, plain, 16) == ServedMetrics.of(
-        workload, simulate(workload, plain, 16)
-    )
-    assert ServedMetrics.predicted(workload, plain, 16) == fitted
-    assert ServedMetrics.prediction_method(plain) == "every step at its fitted time"
-    assert ServedMetrics.prediction_method(server, 3).endswith(
-        "step spread, each held for 0.2 s (seed 3)"
-    )
+    assert predict(workload, plain, 16) == ServedMetrics.of(simulate(workload, plain, 16), workload)
+    assert predict(workload, plain, 16) == fitted
+    assert prediction_method(plain) == "every step at its fitted time"
+    assert prediction_method(server, 3).endswith("step spread, each held for 0.2 s (seed 3)")
 
 
 def test_serve_live_reports_its_progress_through_the_output_tokens_after_every_step(model):

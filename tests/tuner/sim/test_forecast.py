@@ -6,9 +6,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from hypothesis.extra.numpy import arrays
 
 from blocktune.traces.loaders import load_trace
 from blocktune.traces.synth import customer_service_day
@@ -26,7 +23,6 @@ from blocktune.tuner.sim.forecast import (
     Forecaster,
     offered_tokens_per_s,
     peak_load,
-    percentiles,
     window_rate_scale,
 )
 from blocktune.tuner.sim.window import LengthWindow
@@ -239,22 +235,6 @@ def test_a_sample_is_replayed_at_the_window_rate_when_asked():
     assert np.allclose(np.diff(recorded.arrival_s[-50:]), 0.25)
     latest = window_rate_scale(stamps, outputs, len(recorded))
     assert np.allclose(rescaled.arrival_s, recorded.arrival_s * latest)
-
-
-@given(
-    arrays(
-        np.float64,
-        st.integers(1, 300),
-        elements=st.floats(-1e6, 1e6, allow_nan=False) | st.sampled_from([0.0, 1.0, 2.5]),
-    ),
-    st.lists(st.floats(0, 100), min_size=1, max_size=4),
-)
-def test_percentiles_are_numpys_bit_for_bit(values, qs):
-    """The run metrics' percentiles equal `np.percentile`'s (linear) exactly, ties and ends
-    included, and are NaN where a value is."""
-    assert percentiles(values, tuple(qs)) == np.percentile(values, qs).tolist()
-    with_nan = np.append(values, np.nan)
-    assert all(math.isnan(v) for v in percentiles(with_nan, tuple(qs)))
 
 
 def _window_of(stamps: np.ndarray, outputs: np.ndarray):
