@@ -30,7 +30,7 @@ step's weight read. The per-block attention cost falls as B grows, padding
 rises, so J has an interior optimum; with c_block = L * per_block [s/block per
 token] and c_pad = (W / bw) * s / budget [s/slot per token], minimising
 c_block * l / B + c_pad * B / 2 gives the principled prior
-B* = sqrt(2 * c_block * l / c_pad) tokens (docs/architecture.md, "The per-token cost").
+B* = sqrt(2 * c_block * l / c_pad) tokens (docs/deciding.md, "The per-token cost").
 
 The source article's heuristic sqrt(length * head_dim * heads * 2 * dtype_bytes) is also
 computed, exactly as stated: with length in tokens and the rest in bytes per
