@@ -4,7 +4,7 @@ The JSON object is ``{"trace": {...}, "policy": {...}, "goal", "goal_higher_is_b
 "warnings": [...], "results": [...], "timeline": [...], "fidelity"}``; each result has
 exactly the keys of `RESULT_KEYS`, each timeline point ``t_s``, ``block_size`` and
 ``median_len``, and ``fidelity`` is the calibration's fidelity check
-(`fidelity.Fidelity.to_dict`) or null. Numbers that do not exist (a percentile of
+(`fidelity.fidelity.Fidelity.to_dict`) or null. Numbers that do not exist (a percentile of
 nothing) are null.
 """
 
