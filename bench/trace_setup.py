@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from blocktune.tuner.cli import build_parser
-from blocktune.tuner.cli._common import load_policy_and_calibration, load_trace_or_day
+from blocktune.tuner.cli.day_args import load_trace_or_day
+from blocktune.tuner.cli.policy_args import load_policy_and_calibration
 from blocktune.tuner.config.calibration import Calibration
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.measure.engine_measure import (

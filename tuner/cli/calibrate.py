@@ -7,12 +7,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from blocktune.tuner.cli._common import (
-    add_measurement_arguments,
-    add_model_arguments,
-    block_size_arg,
-    positive_int,
-)
+from blocktune.tuner.cli.arguments import block_size_arg, positive_int
+from blocktune.tuner.cli.measure_args import add_measurement_arguments
+from blocktune.tuner.cli.model_args import add_model_arguments
 
 __all__ = ["register"]
 
@@ -36,7 +33,8 @@ def run_calibrate(args: argparse.Namespace) -> int:
     import torch
 
     from blocktune.runtime.model import ModelLoadError
-    from blocktune.tuner.cli._common import load_shaped_model_from_args, set_threads
+    from blocktune.tuner.cli.measure_args import set_threads
+    from blocktune.tuner.cli.model_args import load_shaped_model_from_args
     from blocktune.tuner.measure.engine_measure import measure_engine_calibration
     from blocktune.tuner.measure.measure import default_grid, measure_calibration
 
@@ -196,17 +194,25 @@ def _grid_for_trace(args: argparse.Namespace, grid, max_tokens: int):
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add `calibrate` to the command line."""
-    from blocktune.traces.formats import FORMATS
-    from blocktune.tuner.cli.validate import DEFAULT_REQUESTS
     from blocktune.tuner.cli.vllm_engine import add_vllm_arguments
-    from blocktune.tuner.measure.engine_measure import default_engine_grid
-    from blocktune.tuner.measure.vllm_measure import default_vllm_grid
 
     parser = commands.add_parser(
         "calibrate",
         help="measure kernel, bookkeeping and copy costs (and engine steps) per block size",
         description=run_calibrate.__doc__,
     )
+    _add_run_arguments(parser)
+    add_model_arguments(parser)
+    _add_grid_arguments(parser)
+    _add_trace_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts")
+    add_measurement_arguments(parser)
+    add_vllm_arguments(parser)
+    parser.set_defaults(handler=run_calibrate)
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where to measure, where the YAML goes, the block sizes and whether to time an engine."""
     parser.add_argument(
         "--device",
         choices=("cuda", "cpu"),
@@ -241,7 +247,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--engine vllm: time a vLLM server's steps instead (--model: its Hugging Face "
         "folder), see the --engine vllm options",
     )
-    add_model_arguments(parser)
+
+
+def _add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine grid's dimensions, each defaulting to the full grid's (and vLLM's)."""
+    from blocktune.tuner.measure.engine_measure import default_engine_grid
+    from blocktune.tuner.measure.vllm_measure import default_vllm_grid
+
     full = default_engine_grid(quick=False, block_sizes=DEFAULT_BLOCK_SIZES)
     vllm_full = default_vllm_grid(quick=False, block_sizes=DEFAULT_BLOCK_SIZES)
     vllm_defaults = {
@@ -270,6 +282,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="--engine vllm: tokens each timed request generates "
         f"(default: {vllm_full.decode_tokens})",
     )
+
+
+def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """--trace and how to read it: the lengths the engine grid is fitted to."""
+    from blocktune.traces.formats import FORMATS
+    from blocktune.tuner.cli.validate import DEFAULT_REQUESTS
+
     parser.add_argument(
         "--trace",
         metavar="FILE",
@@ -292,7 +311,3 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="--trace: fit the grid to its first N requests, as validate serves them "
         "(default: %(default)s)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of random weights and prompts")
-    add_measurement_arguments(parser)
-    add_vllm_arguments(parser)
-    parser.set_defaults(handler=run_calibrate)

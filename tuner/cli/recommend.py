@@ -13,14 +13,9 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from blocktune.tuner.cli._common import (
-    add_load_arguments,
-    add_policy_argument,
-    load_from_args,
-    load_policy_and_calibration,
-    positive_int,
-    report_skipped,
-)
+from blocktune.tuner.cli.arguments import positive_int
+from blocktune.tuner.cli.policy_args import add_policy_argument, load_policy_and_calibration
+from blocktune.tuner.cli.trace_args import add_load_arguments, load_from_args, report_skipped
 from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE, SYNTHETIC_TRACE
 from blocktune.tuner.config.text_table import text_table
 

@@ -17,16 +17,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blocktune.tuner.cli._common import (
-    DayFlagError,
+from blocktune.tuner.cli.arguments import positive_int
+from blocktune.tuner.cli.day_args import DayFlagError, add_day_arguments, load_trace_or_day
+from blocktune.tuner.cli.policy_args import (
     add_calibration_argument,
-    add_day_arguments,
-    add_load_arguments,
     add_policy_argument,
     load_policy_and_calibration,
-    load_trace_or_day,
-    positive_int,
 )
+from blocktune.tuner.cli.trace_args import add_load_arguments
 from blocktune.tuner.config.defaults import SYNTHETIC_TRACE
 
 if TYPE_CHECKING:

@@ -6,11 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from blocktune.tuner.cli._common import (
-    add_allowed_hosts_argument,
-    add_policy_argument,
-    with_allowed_hosts,
-)
+from blocktune.tuner.cli.host_args import add_allowed_hosts_argument, with_allowed_hosts
+from blocktune.tuner.cli.policy_args import add_policy_argument
 
 __all__ = ["register"]
 

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from blocktune.tuner.cli._common import positive_int
+from blocktune.tuner.cli.arguments import positive_int
 
 __all__ = ["register"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blocktune.tuner.cli._common import add_load_arguments, load_from_args
+from blocktune.tuner.cli.trace_args import add_load_arguments, load_from_args
 
 __all__ = ["register"]
 

@@ -22,16 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blocktune.tuner.cli._common import (
-    add_calibration_argument,
-    add_day_arguments,
-    add_load_arguments,
-    add_measurement_arguments,
-    add_model_arguments,
-    add_policy_argument,
-    block_size_arg,
-    positive_int,
-)
+from blocktune.tuner.cli.arguments import block_size_arg, positive_int
+from blocktune.tuner.cli.day_args import add_day_arguments
+from blocktune.tuner.cli.measure_args import add_measurement_arguments
+from blocktune.tuner.cli.model_args import add_model_arguments
+from blocktune.tuner.cli.policy_args import add_calibration_argument, add_policy_argument
+from blocktune.tuner.cli.trace_args import add_load_arguments
 from blocktune.tuner.measure.processes import DEFAULT_JOBS, WorkerProcessLost, default_jobs
 
 if TYPE_CHECKING:
@@ -59,12 +55,10 @@ def run_validate(args: argparse.Namespace) -> int:
     arrival times, and --calibration must be one `calibrate --engine vllm` wrote."""
     if args.engine == "vllm":
         return run_vllm_validate(args)
-    from blocktune.tuner.cli._common import (
-        load_policy_and_calibration,
-        load_shaped_model_from_args,
-        load_trace_or_day,
-        measurement_defaults,
-    )
+    from blocktune.tuner.cli.day_args import load_trace_or_day
+    from blocktune.tuner.cli.measure_args import measurement_defaults
+    from blocktune.tuner.cli.model_args import load_shaped_model_from_args
+    from blocktune.tuner.cli.policy_args import load_policy_and_calibration
     from blocktune.tuner.fidelity.validation import validate
     from blocktune.tuner.sim.workload import Workload
 
@@ -128,7 +122,8 @@ def run_vllm_validate(args: argparse.Namespace) -> int:
     """`validate --engine vllm` (see `tuner.fidelity.vllm_validation`)."""
     import httpx
 
-    from blocktune.tuner.cli._common import load_policy_and_calibration, load_trace_or_day
+    from blocktune.tuner.cli.day_args import load_trace_or_day
+    from blocktune.tuner.cli.policy_args import load_policy_and_calibration
     from blocktune.tuner.cli.vllm_engine import vllm_setup
     from blocktune.tuner.fidelity.vllm_validation import validate_vllm
     from blocktune.tuner.measure.vllm_server import VllmStartError
@@ -219,7 +214,7 @@ def _engine_calibration(
     between the live runs' steps: the default grid fitted to the workload's lengths (those
     the policy's pool holds) and to the pool (`grid_for_pool`). torch uses the
     calibration's threads unless --threads says otherwise."""
-    from blocktune.tuner.cli._common import set_threads
+    from blocktune.tuner.cli.measure_args import set_threads
     from blocktune.tuner.config.calibration import CalibrationError
     from blocktune.tuner.fidelity.validation import InterleavedGrid, pool_slots
     from blocktune.tuner.measure.engine_measure import (

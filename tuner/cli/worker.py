@@ -7,13 +7,13 @@ import sys
 
 from blocktune.runtime.defaults import DEFAULT_GATHER_S, GATHER_LIMIT_S
 from blocktune.tuner.cli._common import (
-    add_allowed_hosts_argument,
     add_engine_arguments,
     engine_config_from_args,
     load_model_from_args,
-    non_negative_float,
-    set_threads,
 )
+from blocktune.tuner.cli.arguments import non_negative_float
+from blocktune.tuner.cli.host_args import add_allowed_hosts_argument
+from blocktune.tuner.cli.measure_args import set_threads
 from blocktune.tuner.config.defaults import DEFAULT_TOKEN_ENV
 
 __all__ = ["register"]

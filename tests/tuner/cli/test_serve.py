@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from blocktune.tuner.cli import build_parser, main
-from blocktune.tuner.cli._common import with_allowed_hosts
+from blocktune.tuner.cli.host_args import with_allowed_hosts
 from blocktune.tuner.config.config_files import ConfigError
 from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.operations import NotReady, free_port, wait_until_ready
