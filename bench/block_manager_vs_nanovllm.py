@@ -18,7 +18,6 @@ suffice); nano-vllm needs `xxhash` and `numpy`.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 import time
@@ -26,6 +25,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+from result_file import ResultFile, bench_parser
 
 from blocktune.runtime.block_manager import BlockManager
 from blocktune.traces import load_trace
@@ -112,25 +112,28 @@ def run_nanovllm(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("nanovllm_dir", type=Path, help="folder holding the nanovllm package")
     parser.add_argument("trace", type=Path, help="a request trace (e.g. Azure LLM 2023 CSV)")
     parser.add_argument("--limit", type=int, default=3000, help="use the first N requests")
     parser.add_argument("--batch", type=int, default=64, help="concurrent sequences")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; best is kept")
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 256])
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the best is kept")
+    parser.add_argument(
+        "--block-sizes", type=int, nargs="+", default=[8, 16, 32, 256], help="block sizes"
+    )
     args = parser.parse_args()
+    out = ResultFile(__file__, __doc__, args.results, preformatted=True)
     classes = import_nanovllm(args.nanovllm_dir)
     frame = load_trace(args.trace).frame.head(args.limit)
     lengths = list(
         zip(frame["prompt_tokens"].tolist(), frame["output_tokens"].tolist(), strict=True)
     )
-    print(
+    out.print(
         f"{args.trace.name}: {len(lengths)} requests, "
         f"{sum(o for _, o in lengths)} generated tokens, batch {args.batch}, "
         f"best of {args.repeats}; microseconds per generated token"
     )
-    print(f"{'block':>5}  {'nano-vllm':>9}  {'blocktune':>9}  {'ratio':>5}  {'uncached':>8}")
+    out.print(f"{'block':>5}  {'nano-vllm':>9}  {'blocktune':>9}  {'ratio':>5}  {'uncached':>8}")
     for block_size in args.block_sizes:
         runs = {"nano": [], "cached": [], "plain": []}
         for _ in range(args.repeats):
@@ -139,7 +142,8 @@ def main() -> None:
             runs["plain"].append(run_blocktune(lengths, block_size, args.batch, False))
         nano, cached, plain = (min(runs[k]) * 1e6 for k in ("nano", "cached", "plain"))
         ratio = cached / nano
-        print(f"{block_size:>5}  {nano:>9.3f}  {cached:>9.3f}  {ratio:>5.2f}  {plain:>8.3f}")
+        out.print(f"{block_size:>5}  {nano:>9.3f}  {cached:>9.3f}  {ratio:>5.2f}  {plain:>8.3f}")
+    out.write()
 
 
 if __name__ == "__main__":

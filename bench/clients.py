@@ -9,8 +9,8 @@ runs this script with the project's interpreter. It
 3. runs a short benchmark of each tool with its default request shape (guidellm: streamed
    chat completions with `ignore_eos` and `continuous_usage_stats`; aiperf: streamed chat
    completions), no rewrite rules and no extra request bodies;
-4. writes the tools' TTFT, inter-token latency and throughput, the commands and the
-   machine's load to a Markdown file (default `bench/results/clients.md`).
+4. writes the tools' TTFT, inter-token latency and throughput and the commands to a new dated
+   result file under `--results` (`bench/result_file.py`: the command and the machine's load).
 
 With `--capture DIR` the tools talk to the worker through a recording proxy, which writes
 each tool's requests (method, path and JSON body of the first request per method and
@@ -19,9 +19,7 @@ path) to `DIR/<tool>.json`: the bodies the tests replay (tests/data/clients/).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import datetime
 import json
 import os
 import shutil
@@ -34,8 +32,8 @@ import time
 from pathlib import Path
 
 import httpx
+from result_file import ResultFile, bench_parser, shorten
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2"
 START_TIMEOUT_S = 300  # loading SmolLM2 and compiling kernels on a small CPU machine
 RUN_TIMEOUT_S = 1800
@@ -212,21 +210,18 @@ def aiperf(binary: str, target: str, tokenizer: Path, args, out: Path) -> tuple[
     return command, figures
 
 
-def write_report(path: Path, results: dict, args, load: str) -> None:
+def report(out: ResultFile, results: dict, args) -> None:
+    """The tools' figures as a table, and their commands."""
     columns = ["requests", "errors", "TTFT median (ms)", "ITL median (ms)"]
     columns += ["output tokens/s", "requests/s"]
     lines = [
-        f"# Third-party clients against the worker ({datetime.date.today().isoformat()})",
-        "",
-        "`make bench-clients`: guidellm and aiperf, each from its own venv, benchmark the",
-        f"worker serving SmolLM2-135M-Instruct (`blocktune worker --model {MODEL}`, CPU, fp32)",
-        "with their default request shapes, no rewrite rules and no extra request bodies:",
+        "guidellm and aiperf, each from its own venv, benchmark the worker serving",
+        f"SmolLM2-135M-Instruct (`blocktune worker --model {MODEL}`, CPU, fp32) with their default",
+        "request shapes, no rewrite rules and no extra request bodies: "
         f"{args.requests} requests one at a time, {args.prompt_tokens} prompt tokens and "
         f"{args.output_tokens} output tokens each.",
         "The figures are each tool's own report of one run; they measure this machine, not a",
         "GPU deployment.",
-        "",
-        f"Machine load before the run (`uptime`): `{load}`",
         "",
         "| tool | " + " | ".join(columns) + " |",
         "| --- |" + " ---: |" * len(columns),
@@ -236,44 +231,31 @@ def write_report(path: Path, results: dict, args, load: str) -> None:
         lines.append(f"| {tool} | " + " | ".join(cells) + " |")
     lines += ["", "Commands (paths shortened):", ""]
     for tool, (command, _) in results.items():
-        lines += [f"- {tool}: `{_shorten(command)}`"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+        lines += [f"- {tool}: `{shorten(' '.join(command))}`"]
+    for line in lines:
+        out.print(line)
 
 
 def _cell(value) -> str:
     return f"{value:.1f}" if isinstance(value, float) and not value.is_integer() else f"{value:g}"
 
 
-def _shorten(command: list[str]) -> str:
-    text = " ".join(command)
-    for long, short in ((str(ROOT) + "/", ""), (tempfile.gettempdir(), "$TMP")):
-        text = text.replace(long, short)
-    return text
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--guidellm", required=True, help="the guidellm executable")
     parser.add_argument("--aiperf", required=True, help="the aiperf executable")
-    parser.add_argument("--requests", type=int, default=8, help="requests per tool (default: 8)")
-    parser.add_argument("--prompt-tokens", type=int, default=64, help="(default: 64)")
-    parser.add_argument("--output-tokens", type=int, default=32, help="(default: 32)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=ROOT / "bench" / "results" / "clients.md",
-        help="the report (default: bench/results/clients.md)",
-    )
+    parser.add_argument("--requests", type=int, default=8, help="requests per tool")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens a request")
+    parser.add_argument("--output-tokens", type=int, default=32, help="output tokens a request")
     parser.add_argument("--capture", type=Path, help="write each tool's requests here")
     parser.add_argument(
-        "--keep", type=Path, help="keep the tools' logs and reports here (default: discarded)"
+        "--keep", type=Path, help="keep the tools' logs and reports here (else discarded)"
     )
     args = parser.parse_args(argv)
+    out = ResultFile(__file__, __doc__, args.results, argv=argv)
 
     from blocktune.runtime.loading import load_pretrained
 
-    load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="bench-clients-") as scratch:
         work = Path(scratch) if args.keep is None else args.keep
         work.mkdir(parents=True, exist_ok=True)
@@ -299,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
         if proxy:
             for path in proxy.write(args.capture):
                 print(f"captured {path}")
-        write_report(args.out, results, args, load)
-    print(f"wrote {args.out}")
+        report(out, results, args)
+    out.write()
     return 0
 
 

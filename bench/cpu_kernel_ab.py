@@ -19,7 +19,6 @@ bitwise equal.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from result_file import ResultFile, bench_parser
 
 from blocktune.kernels import cpu_library
 from blocktune.runtime.huge_pages import collapse_resident_memory
@@ -73,15 +73,18 @@ def call(library: ctypes.CDLL, query, keys, values, table, lens) -> torch.Tensor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="HEAD", help="git revision (default: HEAD)")
-    parser.add_argument("--sequences", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--calls", type=int, default=300, help="calls each (default: 300)")
+    parser = bench_parser(__doc__)
+    parser.add_argument("--baseline", default="HEAD", help="git revision")
+    parser.add_argument(
+        "--sequences", type=int, nargs="+", default=[8, 32], help="sequences of a batch"
+    )
+    parser.add_argument("--calls", type=int, default=300, help="calls each")
     parser.add_argument(
         "--warm", action="store_true", help="leave K and V in the caches between calls"
     )
     parser.add_argument("--huge", action="store_true", help="the pool in 2 MiB pages")
     args = parser.parse_args()
+    out = ResultFile(__file__, __doc__, args.results, preformatted=True)
     torch.manual_seed(0)
     evict = torch.zeros(EVICT_BYTES // 4)
     repo = Path(__file__).resolve().parent.parent
@@ -104,13 +107,13 @@ def main() -> None:
             args.baseline: build(old_sources, Path(scratch) / "baseline.so"),
             "working tree": build(cpu_library.SOURCES, Path(scratch) / "working.so"),
         }
-        print(f"{'dtype':>9} {'seqs':>4}  " + "  ".join(f"{n:>22}" for n in libraries))
+        out.print(f"{'dtype':>9} {'seqs':>4}  " + "  ".join(f"{n:>22}" for n in libraries))
         for dtype in (torch.float32, torch.bfloat16):
             pool_blocks = 4096
             keys = torch.randn(pool_blocks * BLOCK_SIZE, KV_HEADS, HEAD_DIM).to(dtype)
             values = torch.randn_like(keys)
             if args.huge:
-                print(collapse_resident_memory())
+                out.print(str(collapse_resident_memory()))
             for sequences in args.sequences:
                 lens = torch.randint(*CONTEXTS, (sequences,), dtype=torch.int32)
                 width = -(-CONTEXTS[1] // BLOCK_SIZE)
@@ -134,12 +137,13 @@ def main() -> None:
                     for m, t in zip(medians, times.values(), strict=True)
                 ]
                 old, new = outputs.values()
-                print(
+                out.print(
                     f"{str(dtype).removeprefix('torch.'):>9} {sequences:>4}  "
                     + "  ".join(cells)
                     + f"  new/old {medians[1] / medians[0]:.3f}  bitwise equal: "
                     + ("yes" if torch.equal(old, new) else "no")
                 )
+    out.write()
 
 
 if __name__ == "__main__":

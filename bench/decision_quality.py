@@ -26,22 +26,19 @@ rate, seed 1). A rate scale k divides every arrival time by k. `GRID` holds
 each trace's budgets (one that fills the pool, one that does not) and rate
 scales. The acceptance figures follow the table.
 
-    python bench/decision_quality.py [--traces ../shared/traces] [--out FILE]
+    python bench/decision_quality.py [--traces ../shared/traces]
         [--budgets 4GiB ...] [--rates 0.5 1 ...] [--only azure-conv sharegpt ...]
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 from pydantic import ByteSize, TypeAdapter
+from result_file import ResultFile, bench_parser
 
 from blocktune.traces.loaders import load_trace
 from blocktune.traces.synth import customer_service_day
@@ -203,19 +200,20 @@ def totals(cases: list[Case]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--traces", type=Path, default=SHARED_TRACES, help="shared traces folder")
+    parser.add_argument("--policy", default="default", help="policy file or name")
+    parser.add_argument("--budgets", nargs="+", default=None, help="KV budgets (None: GRID's)")
     parser.add_argument(
-        "--policy", default="default", help="policy file or name (default: default)"
+        "--rates", type=float, nargs="+", default=None, help="rate scales (None: GRID's)"
     )
-    parser.add_argument("--budgets", nargs="+", default=None, help="KV budgets (default: GRID)")
-    parser.add_argument("--rates", type=float, nargs="+", default=None, help="default: GRID")
-    parser.add_argument("--sharegpt-requests", type=int, default=3000, help="default: 3000")
-    parser.add_argument("--only", nargs="+", default=None, help="run only these traces")
-    parser.add_argument("--out", type=Path, default=None, help="write the markdown here too")
+    parser.add_argument(
+        "--sharegpt-requests", type=int, default=3000, help="first requests of ShareGPT"
+    )
+    parser.add_argument("--only", nargs="+", default=None, help="run only these traces (None: all)")
     args = parser.parse_args()
+    out = ResultFile(__file__, __doc__, args.results)
     base = load_policy(args.policy)
-    load = os.getloadavg()
     start = time.perf_counter()
     cases = []
     for name, frame in traces(args.traces, args.sharegpt_requests).items():
@@ -229,24 +227,18 @@ def main() -> None:
                 cases.append(case)
     elapsed = time.perf_counter() - start
     lines = [
-        f"# Decision quality ({datetime.date.today().isoformat()})",
-        "",
-        f"Command: `{' '.join(['python bench/decision_quality.py', *sys.argv[1:]])}`; "
-        f"policy `{args.policy}` ({base.deployment}, candidates {list(base.candidates)}, "
+        f"Policy `{args.policy}` ({base.deployment}, candidates {list(base.candidates)}, "
         f"interval {base.interval.total_seconds():g} s, min_dwell "
-        f"{base.min_dwell.total_seconds():g} s, min_gain {base.min_gain:.0%}); load average "
-        f"before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores; "
+        f"{base.min_dwell.total_seconds():g} s, min_gain {base.min_gain:.0%}); "
         f"{elapsed:.0f} s in all.",
         "",
         *table(cases),
         "",
         *totals(cases),
-        "",
     ]
-    text = "\n".join(lines)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text, encoding="utf-8")
+    for line in lines:
+        out.print(line)
+    out.write()
 
 
 if __name__ == "__main__":

@@ -17,11 +17,11 @@ while it lasted.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
+from result_file import ResultFile, bench_parser
 
 from blocktune.kernels.paged_attention import paged_attention
 
@@ -50,13 +50,16 @@ def paired_times(fns, rounds: int, burst: int) -> list[float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser = bench_parser(__doc__)
+    parser.add_argument("--batch", type=int, default=16, help="sequences")
+    parser.add_argument("--context", type=int, default=1024, help="tokens of each sequence")
+    parser.add_argument("--rounds", type=int, default=20, help="rounds of bursts")
     parser.add_argument("--burst", type=int, default=5, help="calls per round and function")
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    parser.add_argument(
+        "--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="block sizes"
+    )
     args = parser.parse_args()
+    out = ResultFile(__file__, __doc__, args.results, preformatted=True)
     generator = torch.Generator().manual_seed(0)
     tokens = args.batch * args.context
     k_dense = torch.randn(args.batch, args.context, KV_HEADS, HEAD_DIM, generator=generator)
@@ -65,12 +68,12 @@ def main() -> None:
     # Dense attention gets K/V already laid out as it wants them: [S, KVH, T, D].
     k_heads = k_dense.transpose(1, 2).contiguous()
     v_heads = v_dense.transpose(1, 2).contiguous()
-    print(
+    out.print(
         f"batch {args.batch} x context {args.context}, {HEADS} heads / {KV_HEADS} KV heads, "
         f"head_dim {HEAD_DIM}, fp32, torch backend, {torch.get_num_threads()} threads"
     )
     columns = ("dense ms", "paged ms", "paged/dense", "max |diff|")
-    print(f"{'block':>5}  " + "  ".join(f"{c:>11}" for c in columns))
+    out.print(f"{'block':>5}  " + "  ".join(f"{c:>11}" for c in columns))
     lens = torch.full((args.batch,), args.context, dtype=torch.int32)
     for block_size in args.block_sizes:
         per_seq = args.context // block_size
@@ -92,10 +95,11 @@ def main() -> None:
 
         dense_s, paged_s = paired_times([dense, paged], args.rounds, args.burst)
         diff = (paged() - dense()).abs().max().item()
-        print(
+        out.print(
             f"{block_size:>5}  {dense_s * 1e3:>11.2f}  {paged_s * 1e3:>11.2f}  "
             f"{paged_s / dense_s:>11.2f}  {diff:>11.1e}"
         )
+    out.write()
 
 
 if __name__ == "__main__":

@@ -11,16 +11,16 @@ bf16) and every block size, at contexts 512/4k/32k and batches 1/32/128:
 
 Block ids are a random permutation, so every block is a scattered read.
 
-    python bench/gpu_kernels.py [--block-sizes 8 16 32 64 128] [--out results.csv]
+    python bench/gpu_kernels.py [--block-sizes 8 16 32 64 128] [--csv rows.csv]
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import sys
 
 import torch
+from result_file import ResultFile, bench_parser
 
 from blocktune.kernels.paged_attention import paged_attention_torch, paged_attention_triton
 
@@ -40,22 +40,29 @@ def copy_bandwidth(device: torch.device) -> float:
 def main() -> int:
     from triton.testing import do_bench
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[512, 4096, 32768])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
-    parser.add_argument("--out", default=None, help="also write the rows as CSV")
+    parser = bench_parser(__doc__)
+    parser.add_argument(
+        "--block-sizes", type=int, nargs="+", default=[8, 16, 32, 64, 128], help="block sizes"
+    )
+    parser.add_argument(
+        "--contexts", type=int, nargs="+", default=[512, 4096, 32768], help="tokens a sequence"
+    )
+    parser.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 32, 128], help="sequences a call"
+    )
+    parser.add_argument("--csv", default=None, help="also write the rows to this CSV file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
         return 1
+    out = ResultFile(__file__, __doc__, args.results, preformatted=True)
     device = torch.device("cuda")
     copy_bw = copy_bandwidth(device)
-    print(f"device: {torch.cuda.get_device_name(device)}")
-    print(f"torch {torch.__version__}, device-to-device copy {copy_bw / 1e9:.0f} GB/s")
-    print(f"shape: {HEADS} heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16")
+    out.print(f"device: {torch.cuda.get_device_name(device)}")
+    out.print(f"torch {torch.__version__}, device-to-device copy {copy_bw / 1e9:.0f} GB/s")
+    out.print(f"shape: {HEADS} heads, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16")
     header = ["context", "batch", "block_size", "us", "GB_per_s", "vs_copy", "max_abs_err"]
-    print("{:>7} {:>5} {:>5} {:>9} {:>8} {:>7} {:>11}".format(*header))
+    out.print("{:>7} {:>5} {:>5} {:>9} {:>8} {:>7} {:>11}".format(*header))
     rows = []
     generator = torch.Generator(device=device).manual_seed(0)
     worst_error = 0.0
@@ -95,12 +102,13 @@ def main() -> int:
                     error,
                 ]
                 rows.append(row)
-                print("{:>7} {:>5} {:>5} {:>9.1f} {:>8.0f} {:>7.2f} {:>11.2e}".format(*row))
+                out.print("{:>7} {:>5} {:>5} {:>9.1f} {:>8.0f} {:>7.2f} {:>11.2e}".format(*row))
             del k, v
             torch.cuda.empty_cache()
-    print(f"worst |triton - torch| over checked cases: {worst_error:.2e} (bf16)")
-    if args.out:
-        with open(args.out, "w", newline="") as handle:
+    out.print(f"worst |triton - torch| over checked cases: {worst_error:.2e} (bf16)")
+    out.write()
+    if args.csv:
+        with open(args.csv, "w", newline="") as handle:
             writer = csv.writer(handle)
             writer.writerow(header)
             writer.writerows(rows)

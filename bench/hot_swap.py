@@ -1,4 +1,4 @@
-"""Hot-swap cost per live KV size (a benchmark, not a test).
+"""Hot-swap cost per live KV size.
 
 Fills a KV pool with sequences of the Azure LLM conversation trace's lengths,
 served the way an engine grows them (up to N at once, one token per step each,
@@ -13,13 +13,13 @@ run.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+from result_file import ResultFile, bench_parser
 
 from blocktune.kernels.cache_ops import copy_blocks
 from blocktune.kernels.cpu_attention import default_backend
@@ -123,25 +123,28 @@ def clone_throughput(kv: KVCache, num_bytes: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Azure-format CSV")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--backend", default=None, help="torch, triton or cpu (default: by device)")
-    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--device", default="cpu", help="the pool's device")
+    parser.add_argument("--backend", default=None, help="torch, triton or cpu (None: by device)")
+    parser.add_argument(
+        "--sizes-mb", type=int, nargs="+", default=[64, 256, 1024], help="live KV sizes [MB]"
+    )
     parser.add_argument("--block-size", type=int, default=16, help="size before the swaps")
     parser.add_argument(
         "--align",
         type=int,
         default=128,
         help="allocation alignment in tokens, as an engine whose largest candidate is this "
-        "(default 128; 16 = no alignment at block size 16)",
+        "(16: no alignment at block size 16)",
     )
     args = parser.parse_args()
+    out = ResultFile(__file__, __doc__, args.results, preformatted=True)
     device = torch.device(args.device)
     backend = args.backend or default_backend(device)
     lengths = pd.read_csv(args.trace, usecols=["ContextTokens", "GeneratedTokens"])
     slot_bytes = 2 * SHAPE["num_layers"] * SHAPE["num_kv_heads"] * SHAPE["head_dim"] * 2
-    print(
+    out.print(
         f"device {device}, backend {backend}, {slot_bytes // 1024} KiB of K+V per token, "
         f"Azure conversation lengths, start at block size {args.block_size}"
     )
@@ -149,7 +152,7 @@ def main() -> None:
         f"{'live KV':>8}  {'swap':>9}  {'moved':>9}  {'moved/live':>10}  {'pause ms':>9}  "
         f"{'copy GB/s':>9}  {'clone GB/s':>10}  {'ratio':>5}  {'zero-copy/copied':>16}"
     )
-    print(header)
+    out.print(header)
     for size_mb in args.sizes_mb:
         target_tokens = size_mb * 2**20 // slot_bytes
         num_slots = int(target_tokens * 1.4) // 64 * 64
@@ -172,7 +175,7 @@ def main() -> None:
             moved = result["bytes_moved"]
             copy_rate = moved / (result["copy_s"] or result["pause_s"]) if moved else 0.0
             clone_rate = clone_throughput(kv, moved) if moved else 0.0
-            print(
+            out.print(
                 f"{live_bytes / 2**20:>6.0f}MB  {old_size:>3} -> {new_size:<3}  "
                 f"{moved / 2**20:>7.1f}MB  {moved / live_bytes:>10.1%}  "
                 f"{result['pause_s'] * 1e3:>9.2f}  {copy_rate / 1e9:>9.2f}  "
@@ -181,6 +184,7 @@ def main() -> None:
                 f"{result['zero_copy']:>7}/{result['copied']:<8}"
             )
         del kv
+    out.write()
 
 
 if __name__ == "__main__":

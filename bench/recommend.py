@@ -1,4 +1,4 @@
-"""Latency of one block-size decision on a full window (a benchmark, not a test).
+"""Latency of one block-size decision on a full window.
 
 Fills a 1000-request window from the embedded customer-service day (one phase,
 with its arrival times) and times `Selector.decide` several times: the
@@ -12,11 +12,11 @@ scheduled decision run, not of a request.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 from pydantic import ByteSize, TypeAdapter
+from result_file import ResultFile, bench_parser
 
 from blocktune.traces.synth import customer_service_day
 from blocktune.tuner.config.calibration import calibration_for
@@ -26,12 +26,13 @@ from blocktune.tuner.sim.window import LengthWindow
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=20, help="decisions timed (default: 20)")
-    parser.add_argument("--phase", default="day", help="phase of the embedded day (default: day)")
+    parser = bench_parser(__doc__)
+    parser.add_argument("--runs", type=int, default=20, help="decisions timed")
+    parser.add_argument("--phase", default="day", help="phase of the embedded day")
     parser.add_argument("--policy", default="customer_service_llama8b", help="policy file or name")
     parser.add_argument("--budgets", nargs="+", default=["3.5GiB", "96MiB"], help="KV budgets")
     args = parser.parse_args()
+    out = ResultFile(__file__, __doc__, args.results, preformatted=True)
     base = load_policy(args.policy)
     day = customer_service_day(0)
     rows = day[day.phase == args.phase].tail(1000)
@@ -42,8 +43,8 @@ def main() -> None:
         timestamps=rows.arrival_s.to_numpy(),
     )
     snapshot = window.snapshot()
-    print(f"window: {snapshot.count} requests of the {args.phase} phase; {args.runs} decisions")
-    print(f"{'KV budget':>10}  {'p50 ms':>8}  {'p99 ms':>8}  material  recommended")
+    out.print(f"window: {snapshot.count} requests of the {args.phase} phase; {args.runs} decisions")
+    out.print(f"{'KV budget':>10}  {'p50 ms':>8}  {'p99 ms':>8}  material  recommended")
     for budget in args.budgets:
         policy = base.model_copy(
             update={"kv_budget": TypeAdapter(ByteSize).validate_python(budget)}
@@ -55,10 +56,11 @@ def main() -> None:
             decision = selector.decide(snapshot, 16, now=0.0)
             times.append(time.perf_counter() - start)
         p50, p99 = np.percentile(np.array(times) * 1e3, [50, 99])
-        print(
+        out.print(
             f"{budget:>10}  {p50:>8.1f}  {p99:>8.1f}  {str(decision.material):>8}  "
             f"B={decision.recommended_block_size}"
         )
+    out.write()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""How fast the replay simulator is on a large trace (a benchmark, not a test).
+"""How fast the replay simulator is on a large trace.
 
 Generates the synthetic customer-service day scaled to about `--requests`
 requests (default one million) and replays it under every policy of
@@ -12,8 +12,9 @@ per second, and the policy table.
 
 from __future__ import annotations
 
-import argparse
 import time
+
+from result_file import ResultFile, bench_parser
 
 from blocktune.traces.synth import CUSTOMER_SERVICE_PHASES, customer_service_day
 from blocktune.tuner.config.calibration import calibration_for
@@ -29,40 +30,38 @@ def requests_per_day() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--requests", type=int, default=1_000_000, help="about this many")
-    parser.add_argument(
-        "--policy",
-        default=DEFAULT_POLICY,
-        help="policy YAML file or bundled name (default: %(default)s)",
-    )
+    parser.add_argument("--policy", default=DEFAULT_POLICY, help="policy YAML file or name")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic day")
     args = parser.parse_args()
+    out = ResultFile(__file__, __doc__, args.results, preformatted=True)
     policy = load_policy(args.policy)
     calibration = calibration_for(policy, policy_path(args.policy).parent)
     scale = args.requests / requests_per_day()
     start = time.perf_counter()
     day = customer_service_day(args.seed, rate_scale=scale)
     built = time.perf_counter() - start
-    print(
+    out.print(
         f"trace: synthetic customer-service day, seed {args.seed}, rate scale {scale:.3f}: "
         f"{len(day)} requests, {int(day.output_tokens.sum())} output tokens "
         f"(built in {built:.1f} s)"
     )
-    print(f"policy: {policy.deployment} ({args.policy}); {calibration.describe()}")
+    out.print(f"policy: {policy.deployment} ({args.policy}); {calibration.describe()}")
     start = time.perf_counter()
     report = replay(day, policy, calibration, label="benchmark day", progress=True)
     total = time.perf_counter() - start
-    print(f"{'policy':<11}{'replay s':>10}{'us/request':>12}{'steps':>10}{'steps/s':>11}")
+    out.print(f"{'policy':<11}{'replay s':>10}{'us/request':>12}{'steps':>10}{'steps/s':>11}")
     for result in report.results:
         steps = report.runs[result.policy].steps
-        print(
+        out.print(
             f"{result.policy:<11}{result.replay_s:>10.1f}"
             f"{result.replay_s / len(day) * 1e6:>12.1f}{steps:>10}{steps / result.replay_s:>11.0f}"
         )
     simulated = sum(r.replay_s for r in report.results)
-    print(f"all policies: {total:.1f} s ({total - simulated:.1f} s outside the simulations)")
-    print(format_replay_table(report))
+    out.print(f"all policies: {total:.1f} s ({total - simulated:.1f} s outside the simulations)")
+    out.print(format_replay_table(report))
+    out.write()
 
 
 if __name__ == "__main__":

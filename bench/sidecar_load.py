@@ -1,4 +1,4 @@
-"""Load on the sidecar over loopback (a benchmark, not a test).
+"""Load on the sidecar over loopback.
 
 Starts `blocktune serve` in a subprocess (the default policy, deciding every
 `--interval`, with a bearer token), then runs `--posters` clients that POST
@@ -34,6 +34,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import yaml
+from result_file import ResultFile, bench_parser
 
 from blocktune.tuner.operations import NotReady, free_port, wait_until_ready
 
@@ -185,19 +186,19 @@ def percentiles(values: list[float]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--posters", type=int, default=25, help="clients posting observations")
     parser.add_argument("--pollers", type=int, default=25, help="clients polling decisions")
     parser.add_argument("--batch", type=int, default=100, help="observations per POST")
     parser.add_argument("--poll-every", type=float, default=0.05, help="seconds between GETs")
     parser.add_argument(
-        "--rate", type=float, default=0.0, help="observations/s in all (default 0: as fast as can)"
+        "--rate", type=float, default=0.0, help="observations/s in all (0: as fast as can be)"
     )
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of load (max)")
     parser.add_argument("--max-requests", type=int, default=100_000, help="requests (max)")
     parser.add_argument("--interval", default="2s", help="the sidecar's decision interval")
     args = parser.parse_args()
-
+    out = ResultFile(__file__, __doc__, args.results, preformatted=True)
     policy = yaml.safe_load((ROOT / "policies" / "default.yaml").read_text())
     policy.update(interval=args.interval, min_dwell="0s")
     with tempfile.TemporaryDirectory() as folder:
@@ -222,19 +223,22 @@ def main() -> None:
 
     elapsed = result["elapsed_s"]
     offered = f"at {args.rate:g}/s in all" if args.rate > 0 else "back to back"
-    print(
+    out.print(
         f"sidecar load: {args.posters} posters x {args.batch} observations {offered}, "
         f"{args.pollers} pollers every {args.poll_every:g} s, {elapsed:.1f} s, "
         f"{os.cpu_count()} CPUs"
     )
-    print(f"  observations/s          {result['observations'] / elapsed:10.0f}")
-    print(f"  POST /v1/observations   {percentiles(result['post_ms'])}")
-    print(f"  GET /v1/recommendation  {percentiles(result['get_ms'])}")
-    print(f"  failed requests         {result['failures']}")
+    out.print(f"  observations/s          {result['observations'] / elapsed:10.0f}")
+    out.print(f"  POST /v1/observations   {percentiles(result['post_ms'])}")
+    out.print(f"  GET /v1/recommendation  {percentiles(result['get_ms'])}")
+    out.print(f"  failed requests         {result['failures']}")
     made = [line for line in decisions.splitlines() if line.startswith("blocktune_decisions")]
-    print(f"  decisions during load   {', '.join(made)}")
-    print(f"  server RSS              start {rss_start / 1024:.1f} MiB, peak {peak / 1024:.1f} MiB")
-    print("  RSS each second (MiB)   " + " ".join(f"{s / 1024:.1f}" for s in samples))
+    out.print(f"  decisions during load   {', '.join(made)}")
+    out.print(
+        f"  server RSS              start {rss_start / 1024:.1f} MiB, peak {peak / 1024:.1f} MiB"
+    )
+    out.print("  RSS each second (MiB)   " + " ".join(f"{s / 1024:.1f}" for s in samples))
+    out.write()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""How a sweep's wall-clock time falls with Dask workers (a benchmark, not a test).
+"""How a sweep's wall-clock time falls with Dask workers.
 
 Sweeps the embedded customer-service day at `--rate-scale` (default 1: about
 163,000 requests) under `--policy` at each KV budget of `--budgets` (every
@@ -14,13 +14,13 @@ result tables are equal.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
+from result_file import ResultFile, bench_parser
 
 from blocktune.tuner.sweep.executor import dask_client
 from blocktune.tuner.sweep.runner import run_sweep
@@ -31,12 +31,15 @@ WALL_CLOCK_COLUMNS = ("replay_s",)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_parser(__doc__)
     parser.add_argument("--rate-scale", type=float, default=1.0, help="embedded day's rate")
     parser.add_argument("--policy", default="customer_service_llama8b", help="file or name")
-    parser.add_argument("--budgets", nargs="+", default=["2GiB", "3.5GiB", "8GiB"])
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--budgets", nargs="+", default=["2GiB", "3.5GiB", "8GiB"], help="KV budgets"
+    )
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts")
     args = parser.parse_args()
+    out = ResultFile(__file__, __doc__, args.results, preformatted=True)
     spec = {
         "traces": [{"path": "synthetic", "rate_scale": args.rate_scale}],
         "policies": [args.policy],
@@ -46,7 +49,7 @@ def main() -> None:
         path = Path(folder) / "sweep.yaml"
         path.write_text(yaml.safe_dump(spec), encoding="utf-8")
         points = load_sweep(path)
-    print(f"sweep: {points[0].trace}, policy {args.policy}, budgets {' '.join(args.budgets)}")
+    out.print(f"sweep: {points[0].trace}, policy {args.policy}, budgets {' '.join(args.budgets)}")
     tables, seconds = [], []
     for workers in args.workers:
         load = os.getloadavg()[0]
@@ -57,14 +60,14 @@ def main() -> None:
         assert not result.failures, result.failures
         plays = float(result.rows.replay_s.sum())
         tables.append(result.rows.drop(columns=list(WALL_CLOCK_COLUMNS)))
-        print(
+        out.print(
             f"{workers} workers: {seconds[-1]:.1f} s wall clock, speed-up "
             f"{seconds[0] / seconds[-1]:.2f}x over {args.workers[0]} workers; the plays took "
             f"{plays:.1f} s together; load average {load:.1f} before",
-            flush=True,
         )
     same = all(table.equals(tables[0]) for table in tables[1:])
-    print(f"result tables equal across worker counts: {same}")
+    out.print(f"result tables equal across worker counts: {same}")
+    out.write()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from blocktune.tuner.config.calibration import load_calibration
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.measure.vllm_server import vllm_server_argv
 from blocktune.tuner.operations import free_port
+from blocktune.tuner.sidecar.assembly import build_sidecar
 from blocktune.tuner.sidecar.sidecar import Sidecar
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,7 +273,7 @@ def main() -> None:
         f"Summarise this list in one line: {filler} (copy {i})" for i in range(args.long_requests)
     ]
     state_file = folder / "state.json"
-    sidecar = Sidecar(policy, state_file=state_file)
+    sidecar = build_sidecar(policy, state_file=state_file)
     sidecar.start()
     lines = []
     try:
@@ -306,7 +307,7 @@ def main() -> None:
             f"  actuation: {actuation_line(long_switch)}",
             f"window: {len(sidecar.window)} requests read from vLLM's /metrics (at each "
             f"decision in {folder}/window-*.npz)",
-            f"switch cost now priced at {sidecar.metrics()['switch_cost_s']:.1f} s "
+            f"switch cost now priced at {sidecar.stats().switch_cost_s:.1f} s "
             f"(policy default {policy.switch_cost_s:.0f} s); state file restarts_s: "
             f"{[round(x, 1) for x in saved.get('restarts_s', [])]}",
             f"greedy completions identical before and after: {before_texts == after_texts} "

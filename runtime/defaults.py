@@ -8,6 +8,7 @@ __all__ = [
     "DEFAULT_GATHER_S",
     "DEFAULT_KV_BYTES",
     "ENGINE_DTYPES",
+    "ENGINE_DTYPE_BYTES",
     "GATHER_LIMIT_S",
 ]
 
@@ -20,8 +21,12 @@ DEFAULT_CANDIDATES = (8, 16, 32, 64, 128)
 DEFAULT_KV_BYTES = 64 * 2**20
 """The worker's KV pool when neither a flag nor a policy sizes it."""
 
-ENGINE_DTYPES = ("float32", "float16", "bfloat16")
-"""The weight and KV dtypes the engine runs in, by torch's names."""
+ENGINE_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+"""The weight and KV dtypes the engine runs in, by torch's names, and the bytes of one
+element of each."""
+
+ENGINE_DTYPES = tuple(ENGINE_DTYPE_BYTES)
+"""Their names, in that order."""
 
 DEFAULT_GATHER_S = 0.0
 """How long an idle engine loop waits for a burst's next request before its first step: not

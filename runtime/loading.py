@@ -26,13 +26,8 @@ import numpy as np
 import torch
 
 from blocktune.runtime.defaults import ENGINE_DTYPES
-from blocktune.runtime.model import (
-    LlamaModel,
-    ModelConfig,
-    ModelLoadError,
-    UnsupportedModelError,
-    token_ids,
-)
+from blocktune.runtime.load_errors import ModelLoadError, UnsupportedModelError
+from blocktune.runtime.model import LlamaModel, ModelConfig, token_ids
 from blocktune.runtime.tokenizer import Tokenizer
 
 __all__ = [

@@ -39,13 +39,12 @@ from blocktune.kernels.cpu_layer_ops import (
 from blocktune.kernels.paged_attention import decode_layout, paged_attention
 from blocktune.runtime.kv_cache import KVCache
 from blocktune.runtime.linear import FusedProjections, PackedLinear
+from blocktune.runtime.load_errors import ModelLoadError, UnsupportedModelError
 
 __all__ = [
     "Llama3RopeScaling",
     "LlamaModel",
     "ModelConfig",
-    "ModelLoadError",
-    "UnsupportedModelError",
 ]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # Mistral only without a sliding window
@@ -53,15 +52,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral")  # Mistral only without a sliding w
 # C kernel, each token one query row over its slots (no gather, no call of its own); a
 # longer one through torch's fused attention, which reuses each K/V tile for all its rows.
 IN_PLACE_CHUNK_TOKENS = 16
-
-
-class ModelLoadError(ValueError):
-    """A model directory or config that cannot be loaded (names the file and the problem)."""
-
-
-class UnsupportedModelError(ModelLoadError):
-    """A checkpoint whose architecture or option this model code does not implement
-    (names the file and the key)."""
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from blocktune.runtime.model import ModelLoadError
+from blocktune.runtime.load_errors import ModelLoadError
 
 __all__ = ["IncrementalDecoder", "Tokenizer"]
 

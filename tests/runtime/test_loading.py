@@ -11,14 +11,9 @@ import torch
 
 from blocktune.runtime.config import EngineConfig
 from blocktune.runtime.engine import Engine
+from blocktune.runtime.load_errors import ModelLoadError, UnsupportedModelError
 from blocktune.runtime.loading import load_pretrained, load_weights, resolve_dtype
-from blocktune.runtime.model import (
-    Llama3RopeScaling,
-    LlamaModel,
-    ModelConfig,
-    ModelLoadError,
-    UnsupportedModelError,
-)
+from blocktune.runtime.model import Llama3RopeScaling, LlamaModel, ModelConfig
 from blocktune.runtime.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")

@@ -6,8 +6,8 @@ import torch
 
 from blocktune.runtime.config import EngineConfig
 from blocktune.runtime.engine import Engine
+from blocktune.runtime.load_errors import ModelLoadError
 from blocktune.runtime.loading import load_weights
-from blocktune.runtime.model import ModelLoadError
 from blocktune.runtime.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")

@@ -3,8 +3,8 @@
 import pytest
 
 from blocktune.runtime import loading
+from blocktune.runtime.load_errors import ModelLoadError
 from blocktune.runtime.loading import load_pretrained, resolve_source
-from blocktune.runtime.model import ModelLoadError
 from blocktune.runtime.tokenizer import Tokenizer
 
 TEXT = "Grüße, 東京 🙂"

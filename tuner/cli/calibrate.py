@@ -32,7 +32,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     args.block_sizes = args.block_sizes or list(DEFAULT_BLOCK_SIZES)
     import torch
 
-    from blocktune.runtime.model import ModelLoadError
+    from blocktune.runtime.load_errors import ModelLoadError
     from blocktune.tuner.cli.measure_args import set_threads
     from blocktune.tuner.cli.model_args import load_shaped_model_from_args
     from blocktune.tuner.measure.engine_measure import measure_engine_calibration
@@ -98,7 +98,7 @@ def run_vllm_calibrate(args: argparse.Namespace) -> int:
     from blocktune.tuner.measure.engine_measure import describe_fit
     from blocktune.tuner.measure.vllm_measure import (
         default_vllm_grid,
-        hf_engine_model,
+        hf_model_shape,
         measure_vllm_calibration,
     )
     from blocktune.tuner.measure.vllm_server import VllmStartError
@@ -123,7 +123,7 @@ def run_vllm_calibrate(args: argparse.Namespace) -> int:
         return 2
     try:
         template, folder, logs = vllm_setup(args)
-        model = hf_engine_model(folder, folder.name, args.dtype)
+        model = hf_model_shape(folder, folder.name, args.dtype)
         grid = default_vllm_grid(quick=args.quick, block_sizes=tuple(args.block_sizes))
         given = {
             name: tuple(getattr(args, name))

@@ -11,8 +11,8 @@ __all__ = ["register"]
 def run_demo(args: argparse.Namespace) -> int:
     """Start a worker and a sidecar on loopback, drive a compressed customer-service day
     through them, print a line per interval, and verify every completion."""
+    from blocktune.runtime.load_errors import ModelLoadError
     from blocktune.runtime.loading import TINY_RANDOM
-    from blocktune.runtime.model import ModelLoadError
     from blocktune.tuner.demo.closed_loop import run_closed_loop
 
     tiny = args.model == TINY_RANDOM

@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from blocktune.tuner.cli._common import (
+from blocktune.tuner.cli.engine_args import (
     add_engine_arguments,
-    engine_config_from_args,
+    engine_overrides,
     load_model_from_args,
 )
 from blocktune.tuner.config.defaults import DEFAULT_CANDIDATES
@@ -28,22 +28,23 @@ def parse_swap(text: str) -> tuple[int, int]:
 def run_generate(args: argparse.Namespace) -> int:
     """Generate completions for every prompt in the file and print them."""
     from blocktune.runtime.engine import Engine
-    from blocktune.runtime.model import ModelLoadError
+    from blocktune.runtime.load_errors import ModelLoadError
     from blocktune.runtime.requests import RequestError
     from blocktune.runtime.sampling import SamplingParams
     from blocktune.tuner.cli.prompt_file import PromptFileError, read_prompts
+    from blocktune.tuner.config.engine_settings import engine_settings
 
     try:
         lines = read_prompts(args.prompts)
         loaded = load_model_from_args(args)
         swaps = {b for _, b in args.swap_at}
-        config = engine_config_from_args(
-            args,
-            block_size=args.block_size,
-            candidates={*DEFAULT_CANDIDATES, *swaps},
+        settings = engine_settings(
+            None,
+            candidates=(*DEFAULT_CANDIDATES, *swaps),
             num_blocks=args.num_blocks,
+            **engine_overrides(args),
         )
-        engine = Engine(loaded.model, config)
+        engine = Engine(loaded.model, settings.engine_config())
     except (PromptFileError, ModelLoadError, ValueError) as error:
         print(f"blocktune generate: {error}", file=sys.stderr)
         return 2
@@ -132,7 +133,7 @@ def register(commands: argparse._SubParsersAction) -> None:
             "at the model's EOS tokens or after max_tokens."
         ),
     )
-    add_engine_arguments(parser, max_num_seqs=32)
+    add_engine_arguments(parser, from_policy=False, max_num_seqs=32)
     parser.add_argument("--prompts", type=Path, required=True, help="JSONL file of prompts")
     parser.add_argument(
         "--num-blocks",

@@ -33,7 +33,7 @@ def _kib(value: float) -> str:
 
 
 def _forecast_columns() -> tuple:
-    from blocktune.tuner.sim.forecast import ServingMetrics
+    from blocktune.tuner.sim.served import ServedMetrics
 
     return (
         ("capacity", "x load", lambda f: f"{f.capacity:.3g}"),
@@ -43,7 +43,7 @@ def _forecast_columns() -> tuple:
             lambda f: f"{f.capacity_interval[0]:.3g}-{f.capacity_interval[1]:.3g}",
         ),
         ("saturated", "tok/s", lambda f: f"{f.sustained_tokens_per_s:.4g}"),
-        *ServingMetrics.columns(lambda f: f.observed),
+        *ServedMetrics.columns(lambda f: f.observed),
         ("preempt", "", lambda f: str(f.observed.preemptions)),
         ("TTFT p99", "@headroom", lambda f: f"{f.headroom.ttft_p99_s:.3f}"),
     )

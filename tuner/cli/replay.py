@@ -185,7 +185,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--initial-block-size",
         type=int,
         metavar="B",
-        help="block size the adaptive policy starts at (default: the candidate nearest 16)",
+        help="block size the adaptive policy starts at (default: the policy's "
+        "server.initial_block_size, else the candidate nearest 16)",
     )
     parser.add_argument(
         "--jobs",

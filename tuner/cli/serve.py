@@ -23,7 +23,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from blocktune.tuner.operations import log_event, token_from_env
     from blocktune.tuner.serving.http import InsecureBind, check_bind
     from blocktune.tuner.serving.sidecar_app import serve_sidecar
-    from blocktune.tuner.sidecar.sidecar import Sidecar
+    from blocktune.tuner.sidecar.assembly import build_sidecar
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("apscheduler").setLevel(logging.WARNING)
@@ -46,7 +46,7 @@ def run_serve(args: argparse.Namespace) -> int:
     token = token_from_env(policy.auth.token_env)
     try:
         check_bind(host, token)
-        sidecar = Sidecar(policy, state_file=state_file, base_dir=policy_file.parent)
+        sidecar = build_sidecar(policy, state_file=state_file, base_dir=policy_file.parent)
     except (InsecureBind, ConfigError, CalibrationError, ValueError) as error:
         print(f"blocktune serve: {error}", file=sys.stderr)
         return 2

@@ -15,6 +15,8 @@ import os
 import tempfile
 from pathlib import Path
 
+from blocktune.runtime.defaults import ENGINE_DTYPES
+
 __all__ = [
     "DEFAULT_VLLM_VENV",
     "VENV_VARIABLE",
@@ -68,7 +70,7 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--dtype",
-        choices=("float32", "float16", "bfloat16"),
+        choices=ENGINE_DTYPES,
         default="float32",
         help="the served weights' dtype (default: %(default)s, as vLLM's CPU build needs)",
     )

@@ -6,12 +6,12 @@ import argparse
 import sys
 
 from blocktune.runtime.defaults import DEFAULT_GATHER_S, GATHER_LIMIT_S
-from blocktune.tuner.cli._common import (
+from blocktune.tuner.cli.arguments import non_negative_float
+from blocktune.tuner.cli.engine_args import (
     add_engine_arguments,
-    engine_config_from_args,
+    engine_overrides,
     load_model_from_args,
 )
-from blocktune.tuner.cli.arguments import non_negative_float
 from blocktune.tuner.cli.host_args import add_allowed_hosts_argument
 from blocktune.tuner.cli.measure_args import set_threads
 from blocktune.tuner.config.defaults import DEFAULT_TOKEN_ENV
@@ -33,17 +33,18 @@ def parse_bytes(text: str) -> int:
 
 
 def config_from_args(args: argparse.Namespace):
-    """The `WorkerConfig` of the flags and `--policy` (flags win). Raises `ConfigError`."""
+    """The `WorkerConfig` of the flags and `--policy` (flags win). Raises `ConfigError`, or
+    ValueError for an engine configuration the engine refuses."""
     from blocktune.tuner.config.policy import load_policy
     from blocktune.tuner.config.worker_config import worker_config
 
     return worker_config(
         load_policy(args.policy) if args.policy else None,
-        kv_bytes=args.kv_bytes,
-        block_size=args.block_size,
-        candidates=args.candidates,
         token_env=args.token_env,
         allowed_hosts=args.allowed_hosts,
+        kv_bytes=args.kv_bytes,
+        candidates=args.candidates,
+        **engine_overrides(args),
     )
 
 
@@ -53,8 +54,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     from blocktune.runtime.engine import Engine
     from blocktune.runtime.engine_loop import EngineLoop
-    from blocktune.runtime.model import ModelLoadError
-    from blocktune.tuner.config.config_files import ConfigError
+    from blocktune.runtime.load_errors import ModelLoadError
     from blocktune.tuner.operations import token_from_env
     from blocktune.tuner.serving.http import InsecureBind, check_bind
     from blocktune.tuner.serving.worker_app import LengthPusher, serve_worker
@@ -62,7 +62,7 @@ def run_worker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         config = config_from_args(args)
-    except ConfigError as error:
+    except ValueError as error:  # ConfigError among them
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
     token = token_from_env(config.token_env)
@@ -70,13 +70,7 @@ def run_worker(args: argparse.Namespace) -> int:
         check_bind(args.host, token)
         set_threads(args.threads)
         loaded = load_model_from_args(args)
-        pool = config.pool
-        engine = Engine(
-            loaded.model,
-            engine_config_from_args(
-                args, block_size=pool.block_size, candidates=pool.candidates, kv_bytes=pool.kv_bytes
-            ),
-        )
+        engine = Engine(loaded.model, config.engine)
     except (InsecureBind, ModelLoadError, ValueError) as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
@@ -141,7 +135,51 @@ def register(commands: argparse._SubParsersAction) -> None:
             "docs/serving.md lists what the API accepts."
         ),
     )
-    add_engine_arguments(parser, max_num_seqs=64, block_size_from_policy=True)
+    add_engine_arguments(parser, from_policy=True)
+    _add_policy_arguments(parser)
+    _add_serving_arguments(parser)
+    parser.set_defaults(handler=run_worker)
+
+
+def _add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """--policy and the flags that replace its settings: candidates, pool, token, hosts."""
+    from blocktune.tuner.config.defaults import DEFAULT_CANDIDATES, DEFAULT_KV_BYTES
+
+    parser.add_argument(
+        "--policy",
+        default=None,
+        help="a deployment policy: its engine settings (kv_budget, server.initial_block_size, "
+        "candidates and the batch section: those the sidecar simulates) and auth.token_env "
+        "are the defaults here, and its server section's read_timeout, keep_alive, "
+        "max_connections and allowed_hosts apply",
+    )
+    add_allowed_hosts_argument(parser)
+    parser.add_argument(
+        "--candidates",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="B",
+        help="block sizes a swap may choose; kernels for all are compiled at start "
+        f"(default: the policy's, else {' '.join(map(str, DEFAULT_CANDIDATES))})",
+    )
+    parser.add_argument(
+        "--kv-bytes",
+        type=parse_bytes,
+        default=None,
+        help="KV pool size, e.g. 64MiB or 1GiB (default: the policy's kv_budget, else "
+        f"{DEFAULT_KV_BYTES >> 20}MiB)",
+    )
+    parser.add_argument(
+        "--token-env",
+        default=None,
+        help="environment variable holding the admin bearer token "
+        f"(default: the policy's auth.token_env, else {DEFAULT_TOKEN_ENV})",
+    )
+
+
+def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the worker listens, what it calls its model, its threads and its sidecar."""
     parser.add_argument(
         "--huge-pages",
         action=argparse.BooleanOptionalAction,
@@ -159,30 +197,6 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
     )
     parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
-    parser.add_argument(
-        "--policy",
-        default=None,
-        help="a deployment policy: its kv_budget, starting block size (server.initial_block_size, "
-        "else the candidate nearest 16), candidates and auth.token_env are the defaults here, "
-        "and its server section's read_timeout, keep_alive, max_connections and "
-        "allowed_hosts apply",
-    )
-    add_allowed_hosts_argument(parser)
-    parser.add_argument(
-        "--candidates",
-        type=int,
-        nargs="+",
-        default=None,
-        metavar="B",
-        help="block sizes a swap may choose; kernels for all are compiled at start "
-        "(default: the policy's, else 8 16 32 64 128)",
-    )
-    parser.add_argument(
-        "--kv-bytes",
-        type=parse_bytes,
-        default=None,
-        help="KV pool size, e.g. 64MiB or 1GiB (default: the policy's kv_budget, else 64MiB)",
-    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -202,14 +216,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--sidecar", default=None, help="sidecar URL to push lengths to")
     parser.add_argument(
-        "--token-env",
-        default=None,
-        help="environment variable holding the admin bearer token "
-        "(default: the policy's auth.token_env, else BLOCKTUNE_TOKEN)",
-    )
-    parser.add_argument(
         "--sidecar-token-env",
         default=DEFAULT_TOKEN_ENV,
         help="environment variable holding the sidecar's bearer token (default: %(default)s)",
     )
-    parser.set_defaults(handler=run_worker)

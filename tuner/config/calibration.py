@@ -44,7 +44,6 @@ __all__ = [
     "Calibration",
     "CalibrationError",
     "EngineCalibration",
-    "EngineModel",
     "FitResiduals",
     "StepCoefficients",
     "B_INDEPENDENT",
@@ -141,28 +140,6 @@ class KernelCoefficients(_Frozen):
     per_token_s: float = Field(ge=0)
 
 
-class EngineModel(_Frozen):
-    """The model whose engine steps were timed: its name and shape."""
-
-    name: str = Field(min_length=1)
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    intermediate_size: int = Field(gt=0)
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
-    dtype: Literal["float32", "float16", "bfloat16"]
-
-    def differences(self, shape: ModelShape) -> list[str]:
-        """The attention-shape fields in which a policy's model differs from this one."""
-        return [
-            f"{name} {getattr(shape, name)} (measured: {getattr(self, name)})"
-            for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "dtype")
-            if getattr(shape, name) != getattr(self, name)
-        ]
-
-
 class StepCoefficients(_Frozen):
     """One engine step's time at one block size, the terms of `STEP_FORM` [s]. The padded,
     pair, admission and new-count terms are 0 in calibrations written before they were
@@ -212,7 +189,7 @@ class EngineCalibration(_Frozen):
     are absent in calibrations written before joint fits."""
 
     provenance: Provenance
-    model: EngineModel
+    model: ModelShape
     threads: int = Field(gt=0, description="torch intra-op threads the steps were timed with")
     clock: Literal["wall", "cpu"] = Field(
         default="wall", description="wall time, or the timing thread's CPU time (one thread)"
@@ -223,6 +200,12 @@ class EngineCalibration(_Frozen):
     depends_on_block_size: bool | None = None
     step_spread: tuple[float, ...] = ()
     size_scales: dict[int, float] | None = None
+
+    @model_validator(mode="after")
+    def _model_named_with_its_vocabulary(self) -> EngineCalibration:
+        if self.model.name is None or self.model.vocab_size is None:
+            raise ValueError("model: the timed model's name and vocab_size are needed")
+        return self
 
     @model_validator(mode="after")
     def _residuals_per_block_size(self) -> EngineCalibration:
@@ -264,7 +247,11 @@ class EngineCalibration(_Frozen):
 
     def require_model(self, shape: ModelShape) -> None:
         """Raise `CalibrationError` unless `shape` is the model these steps were timed on."""
-        differences = self.model.differences(shape)
+        differences = [
+            f"{name} {getattr(shape, name)} (measured: {getattr(self.model, name)})"
+            for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "dtype")
+            if getattr(shape, name) != getattr(self.model, name)
+        ]
         if differences:
             raise CalibrationError(
                 f"the engine calibration was measured with {self.model.name}, but the "

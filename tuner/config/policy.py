@@ -9,6 +9,16 @@ Each section is a `Section` (extra keys forbidden, frozen). A later section,
 such as the sidecar's sources, server, auth or actuator, is one more optional
 `Section` field on `Policy` with a default, so existing files stay valid.
 
+The engine's settings (the pool from `kv_budget`, the starting size from
+`server.initial_block_size`, the candidates, and `batch`: its limits and prefix
+cache) are decided in one place, `tuner.config.engine_settings`, which the
+worker and the simulator both read, so the simulator prices the engine the
+worker runs. The prefix cache is one field, `batch.enable_prefix_caching`: by
+default it is on wherever the engine keeps one (vLLM, as vLLM does by default;
+blocktune's engine unless it chunks prefill, which it cannot combine with the
+cache), in the worker as in the simulator, which reuses prefix blocks only
+where it is on; `false` turns it off for both.
+
 Example::
 
     deployment: support-bot
@@ -20,7 +30,8 @@ Example::
     interval: 5m
     min_dwell: 30m
     safety_factor: 2
-    goal: capacity            # or ttft_p99; slo, headroom, min_gain, engine, batch: see below
+    goal: capacity            # or ttft_p99; slo, headroom, min_gain, engine: see below
+    batch: {max_num_seqs: 64, max_num_batched_tokens: 512, enable_prefix_caching: false}
     mode: recommend
     calibration: default
     # the sidecar (`blocktune serve`); every section below is optional
@@ -63,6 +74,7 @@ from pydantic import (
 )
 
 from blocktune.kernels import is_power_of_two
+from blocktune.runtime.defaults import ENGINE_DTYPE_BYTES
 from blocktune.tuner.config.config_files import ConfigError, load_yaml_model
 from blocktune.tuner.config.defaults import (
     DEFAULT_BLOCK_SIZE,
@@ -103,7 +115,9 @@ __all__ = [
     "parse_duration",
 ]
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
+DTYPE_BYTES = {**ENGINE_DTYPE_BYTES, "float8": 1}
+"""Bytes of one element of each dtype a K/V cache is priced in: the engine's, and vLLM's fp8
+cache."""
 _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d)")
 _UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 # Upper bounds: larger values are mistakes, and some would exhaust memory or overflow.
@@ -214,7 +228,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-DTypeName = Literal["float32", "float16", "bfloat16", "float8"]
+DTypeName = Literal[tuple(DTYPE_BYTES)]
 """The dtypes a K/V cache is priced in (the keys of `DTYPE_BYTES`)."""
 
 
@@ -238,13 +252,23 @@ class KVShape(Section):
 
 
 class ModelShape(KVShape):
-    """The served model: attention shape, KV dtype and weight count."""
+    """The model: attention shape, KV dtype and weight count, and where known its name and
+    the rest of its (Llama) architecture, which an engine calibration records of the model
+    it timed and from which the weight count follows where `num_params` is not given."""
 
     num_layers: int = Field(gt=0, le=4096)
     num_heads: int = Field(gt=0, le=4096, description="query heads")
-    num_params: float = Field(
-        gt=0, le=1e15, description="weights, for the per-step weight read time"
+    num_params: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e15,
+        description="weights, for the per-step weight read time (none: counted from "
+        "hidden_size, intermediate_size and vocab_size)",
     )
+    name: str | None = Field(default=None, min_length=1, max_length=1024)
+    hidden_size: int | None = Field(default=None, gt=0, le=1 << 20)
+    intermediate_size: int | None = Field(default=None, gt=0, le=1 << 22)
+    vocab_size: int | None = Field(default=None, gt=0, le=1 << 24)
 
     @model_validator(mode="after")
     def _gqa_groups(self) -> ModelShape:
@@ -253,7 +277,24 @@ class ModelShape(KVShape):
                 f"num_heads ({self.num_heads}) must be a multiple of "
                 f"num_kv_heads ({self.num_kv_heads})"
             )
+        architecture = (self.hidden_size, self.intermediate_size, self.vocab_size)
+        if self.num_params is None and None in architecture:
+            raise ValueError(
+                "num_params is needed where hidden_size, intermediate_size and vocab_size "
+                "are not all given"
+            )
         return self
+
+    @property
+    def weight_count(self) -> float:
+        """`num_params`, or where it is not given the weights of a Llama of this shape: the
+        embeddings and each layer's attention and MLP projections."""
+        if self.num_params is not None:
+            return self.num_params
+        heads = 2 * self.num_heads + 2 * self.num_kv_heads
+        attention = self.hidden_size * self.head_dim * heads
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return float(self.vocab_size * self.hidden_size + self.num_layers * (attention + mlp))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -262,7 +303,7 @@ class ModelShape(KVShape):
 
     @property
     def weight_bytes(self) -> float:
-        return self.num_params * self.dtype_bytes
+        return self.weight_count * self.dtype_bytes
 
 
 class WindowSettings(Section):
@@ -453,21 +494,27 @@ class SloSettings(Section):
     tpot_p99_s: float = Field(default=0.15, gt=0, le=60, description="seconds")
 
 
-ENGINE_BATCH_DEFAULTS = {"blocktune": (64, None), "vllm": (256, 2048)}
-"""(max_num_seqs, max_num_batched_tokens) when the policy leaves them out: blocktune's
-worker runs 64 rows and prefills whole prompts; vLLM's scheduler defaults to 256 sequences
-and chunks prefill at 2048 tokens per step (its online-serving default)."""
-
-
 class BatchSettings(Section):
-    """The engine's batch limits, as its scheduler applies them every step."""
+    """The engine's batch limits, as its scheduler applies them every step, and its prefix
+    cache (the module docstring says how the simulator follows them)."""
 
-    max_num_seqs: int | None = Field(default=None, ge=1, le=1 << 16)
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        le=1 << 16,
+        description="sequences batched at once (none: the engine's default)",
+    )
     max_num_batched_tokens: int | None = Field(
         default=None,
         ge=1,
         le=1 << 24,
-        description="tokens per step, prefill chunks included (none: whole prompts at once)",
+        description="tokens per step, prefill chunks included (none: the engine's default; "
+        "blocktune's prefills whole prompts)",
+    )
+    enable_prefix_caching: bool | None = Field(
+        default=None,
+        description="reuse the K/V blocks of a prompt prefix an earlier request computed "
+        "(none: on, except for blocktune with max_num_batched_tokens, which excludes it)",
     )
 
 
@@ -569,6 +616,17 @@ class Policy(Section):
         return self
 
     @model_validator(mode="after")
+    def _prefix_cache_fits_the_batch(self) -> Policy:
+        batch = self.batch
+        chunked = batch.max_num_batched_tokens is not None
+        if self.engine == "blocktune" and chunked and batch.enable_prefix_caching:
+            raise ValueError(
+                "batch: blocktune's engine cannot combine max_num_batched_tokens (chunked "
+                "prefill) with enable_prefix_caching: leave one out"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _engine_takes_the_candidates(self) -> Policy:
         if self.engine == "vllm":
             refused = self.backend.refused(self.candidates)
@@ -585,30 +643,11 @@ class Policy(Section):
         return VLLM_BACKENDS[self.vllm_backend]
 
     @property
-    def max_num_seqs(self) -> int:
-        """Sequences the engine batches at once (the policy's, else the engine's default)."""
-        return self.batch.max_num_seqs or ENGINE_BATCH_DEFAULTS[self.engine][0]
-
-    @property
-    def max_num_batched_tokens(self) -> int | None:
-        """Tokens per step with chunked prefill, or None when prompts prefill whole."""
-        if self.batch.max_num_batched_tokens is not None:
-            return self.batch.max_num_batched_tokens
-        return ENGINE_BATCH_DEFAULTS[self.engine][1]
-
-    @property
     def switch_cost_s(self) -> float:
         """Serving time one change of the block size costs: a live swap's pause in
         blocktune's engine, a drain-and-reload restart for vLLM."""
         pause = self.restart if self.engine == "vllm" else self.swap_pause
         return pause.total_seconds()
-
-    @property
-    def starting_block_size(self) -> int:
-        """The block size assumed in force before anything reports one."""
-        if self.server.initial_block_size is not None:
-            return self.server.initial_block_size
-        return nearest_power_of_two(DEFAULT_BLOCK_SIZE, self.candidates)
 
     def calibration_path(self, base: Path) -> Path | None:
         """The calibration file (relative paths start at `base`), or None for the default.

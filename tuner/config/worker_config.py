@@ -1,69 +1,50 @@
 """What `blocktune worker` runs with, resolved once: flags over the policy over the defaults.
 
 One object is handed down from the command line to the engine and the HTTP
-server, as vLLM hands down its `VllmConfig`: the KV pool and the starting block
-size come from the policy's `kv_budget` and `starting_block_size` (the sizes the
-sidecar deciding for this worker assumes), its candidates, token variable and
-connection limits likewise, and a flag given on the command line wins.
+server, as vLLM hands down its `VllmConfig`: the engine's configuration (the
+policy's engine settings, `tuner.config.engine_settings`, those the sidecar
+deciding for this worker simulates), the variable of the admin token and the
+server's connection limits; a flag given on the command line wins.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from blocktune.tuner.config.defaults import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_CANDIDATES,
-    DEFAULT_KV_BYTES,
-    DEFAULT_TOKEN_ENV,
-)
+from blocktune.tuner.config.defaults import DEFAULT_TOKEN_ENV
+from blocktune.tuner.config.engine_settings import engine_settings
 from blocktune.tuner.config.policy import Policy, ServerSettings
 
-__all__ = ["PoolSettings", "WorkerConfig", "worker_config"]
+if TYPE_CHECKING:
+    from blocktune.runtime.config import EngineConfig
 
-
-@dataclass(frozen=True)
-class PoolSettings:
-    """The KV pool and the block sizes of one worker: bytes, starting size, swap candidates."""
-
-    kv_bytes: int
-    block_size: int
-    candidates: tuple[int, ...]
+__all__ = ["WorkerConfig", "worker_config"]
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """A worker's pool, the variable of its admin token and its HTTP server's limits and
-    allowed hosts."""
+    """A worker's engine configuration, the variable of its admin token (None: no token)
+    and its HTTP server's limits and allowed hosts."""
 
-    pool: PoolSettings
-    token_env: str = DEFAULT_TOKEN_ENV
-    server: ServerSettings = field(default_factory=ServerSettings)
+    engine: EngineConfig
+    token_env: str | None
+    server: ServerSettings
 
 
 def worker_config(
     policy: Policy | None,
     *,
-    kv_bytes: int | None = None,
-    block_size: int | None = None,
-    candidates: list[int] | None = None,
     token_env: str | None = None,
     allowed_hosts: list[str] | None = None,
+    **engine: Any,
 ) -> WorkerConfig:
-    """The worker's settings: each given value, else the policy's, else the default."""
+    """The worker's settings: each given value, else the policy's, else the default;
+    `engine` are the engine settings given (`engine_settings`' keywords, None: not given).
+    Raises ValueError for an engine configuration blocktune's engine refuses."""
     server = policy.server if policy is not None else ServerSettings()
     if allowed_hosts is not None:
         server = server.model_copy(update={"allowed_hosts": tuple(allowed_hosts)})
-    if policy is None:
-        pool = PoolSettings(
-            kv_bytes=kv_bytes or DEFAULT_KV_BYTES,
-            block_size=block_size or DEFAULT_BLOCK_SIZE,
-            candidates=tuple(candidates or DEFAULT_CANDIDATES),
-        )
-        return WorkerConfig(pool, token_env or DEFAULT_TOKEN_ENV, server)
-    pool = PoolSettings(
-        kv_bytes=kv_bytes or int(policy.kv_budget),
-        block_size=block_size or policy.starting_block_size,
-        candidates=tuple(candidates or policy.candidates),
-    )
-    return WorkerConfig(pool, token_env or policy.auth.token_env, server)
+    if token_env is None:
+        token_env = policy.auth.token_env if policy is not None else DEFAULT_TOKEN_ENV
+    return WorkerConfig(engine_settings(policy, **engine).engine_config(), token_env, server)

@@ -33,13 +33,13 @@ import pandas as pd
 import torch
 import yaml
 
-from blocktune.runtime.config import EngineConfig
 from blocktune.runtime.engine import Engine
 from blocktune.runtime.loading import TINY_RANDOM, load_pretrained, resolve_source
 from blocktune.runtime.sampling import SamplingParams
 from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.traces.synth import Phase, customer_service_day
 from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE, DEFAULT_POLICY
+from blocktune.tuner.config.engine_settings import engine_settings
 from blocktune.tuner.config.policy import policy_path
 from blocktune.tuner.demo.demo_chat import chat_messages
 from blocktune.tuner.operations import NotReady, free_port, wait_until_ready
@@ -50,6 +50,9 @@ TOKEN_ENV = "BLOCKTUNE_DEMO_TOKEN"
 EXCHANGES = 4  # real exchanges printed after a chat run
 TRAFFIC_THREADS = 48
 """Client threads sending the demo's requests (each waits for its whole completion)."""
+VERIFY_KV_BYTES = 256 * 2**20
+VERIFY_ROWS = 32
+"""The pool and batch rows of the engine that serves every prompt again, never swapping."""
 
 
 def demo_workload(
@@ -284,9 +287,10 @@ def _services(
     # shift with fewer requests.
     window = None if model == TINY_RANDOM else {"capacity": 30, "min_samples": 15}
     policy.write_text(yaml.safe_dump(demo_policy(worker_url, interval_s, window)))
-    # The worker reads its pool, starting size, candidates and token variable from the
-    # sidecar's policy; `kv_bytes` overrides the pool where the demo's model is not the one
-    # the policy prices.
+    # The worker reads its engine settings (pool, starting size, candidates, batch limits and
+    # prefix cache: those the sidecar simulates) and token variable from the sidecar's
+    # policy; `kv_bytes` overrides the pool where the demo's model is not the one the policy
+    # prices.
     worker_args = [
         *cli, "worker", "--model", model, "--port", worker_url.rsplit(":", 1)[1],
         "--seed", str(seed), "--policy", str(policy),
@@ -428,10 +432,8 @@ def _print_exchanges(workload: pd.DataFrame, report: ClosedLoopReport, out) -> N
 def _verify(workload: pd.DataFrame, report: ClosedLoopReport, loaded, out) -> None:
     """Count the completions identical to an engine that never swaps."""
     out("verifying every completion against an engine that never swaps ...")
-    engine = Engine(
-        loaded.model,
-        EngineConfig(block_size=DEFAULT_BLOCK_SIZE, kv_bytes=256 * 2**20, max_num_seqs=32),
-    )
+    settings = engine_settings(None, kv_bytes=VERIFY_KV_BYTES, max_num_seqs=VERIFY_ROWS)
+    engine = Engine(loaded.model, settings.engine_config())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the worker ran (see _services)
     try:

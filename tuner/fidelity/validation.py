@@ -1,7 +1,7 @@
 """Fidelity of the simulator: the same workload served live and simulated, per block size.
 
 For every block size B, `validate` serves the workload on the live engine
-(`tuner.replay.live`, a virtual clock advanced by each step's measured time)
+(`tuner.fidelity.live`, a virtual clock advanced by each step's measured time)
 `runs` times, and once on the simulator (`tuner.sim.simulator`) with the same
 pool: the policy's KV budget in whole blocks of B, for the live model's shape
 (the policy's `model` section is replaced by it), priced by the calibration.
@@ -16,10 +16,9 @@ swings by tens of percent within seconds (the CPU clock does not take that
 out: bench/results/2026-12-07-calibration-fidelity.md), a calibration timed
 before the live runs prices them at the speed of its own half minute; timed
 between their steps, it sees the machine as they do.
-The engine takes the policy's batch limits (`max_num_seqs`, and
-`max_num_batched_tokens` for chunked prefill), as the simulator does; prefix
-caching is on unless prefills are chunked (the engine cannot combine the two,
-so then only the simulator reuses prefix blocks).
+The engine takes the policy's engine settings (`tuner.config.engine_settings`:
+`max_num_seqs`, `max_num_batched_tokens` for chunked prefill, and the prefix
+cache, on unless turned off or prefills are chunked), as the simulator does.
 
 `BlockSizeCheck` holds the predicted and the measured metrics; the relative
 error is predicted / measured - 1 (against the mean of the live runs), and its
@@ -341,14 +340,59 @@ def validate(
     between the live runs' steps (and replaces any it has). Raises `CalibrationError` for
     a calibration that cannot price the model or a block size. A tqdm bar follows the live
     runs through their output tokens (`live_bar`: None shows it where stderr is a terminal)."""
-    import torch
-
-    from blocktune.tuner.measure.engine_measure import (
-        check_clock,
-        check_grid,
-        describe_fit,
-        fitted_engine_calibration,
+    plan = _plan(workload, policy, model, calibration, block_sizes, runs, interleave)
+    live = _serve_live_runs(
+        plan, model, calibration, step_s, seed, jobs, interleave, progress, live_bar
     )
+    calibration, draws = _refit(
+        plan, model, calibration, interleave, live, step_s, seed, jobs, progress
+    )
+    server = StepCostModel(plan.served, calibration, step_s)
+    checks = _predict(plan, server, [metrics for metrics, _ in live], draws, seed, progress)
+    trace = {"requests": len(workload), "too_long": len(workload) - len(plan.workload)}
+    setup = {
+        "kv_budget_bytes": int(plan.served.kv_budget),
+        "pool_blocks": {b: server.num_blocks(b) for b in plan.sizes},
+        "calibration": calibration.describe(),
+        "block_size_effect": (
+            calibration.engine.block_size_verdict() if calibration.engine is not None else None
+        ),
+        "runs": runs,
+        "calibration_draws": len(draws),
+        "prediction": prediction_method(server, seed),
+    }
+    return Validation(trace=trace, setup=setup, checks=checks, calibration=calibration)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What `validate` serves: the policy as served (the live model's shape, the block sizes
+    as its candidates), the workload kept, the block size of each live run in the order they
+    are served, and the clock that times their steps."""
+
+    served: Policy
+    workload: Workload
+    order: tuple[int, ...]
+    clock: str
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self.served.candidates
+
+
+def _plan(
+    workload: Workload,
+    policy: Policy,
+    model: LlamaModel,
+    calibration: Calibration,
+    block_sizes: tuple[int, ...],
+    runs: int,
+    interleave: InterleavedGrid | None,
+) -> _Plan:
+    """Check `validate`'s inputs and plan its live runs: run i of every size before run
+    i + 1 of any, so that drift of the machine shows as run-to-run noise rather than as a
+    difference between block sizes."""
+    from blocktune.tuner.measure.engine_measure import check_clock, check_grid
 
     if runs < 1:
         raise ValueError(f"need runs >= 1, got {runs}")
@@ -365,30 +409,45 @@ def validate(
     limit = min(
         model.config.max_position_embeddings, pool_slots(policy, model, calibration, block_sizes)
     )
-    kept = workload.without_longer_than(limit)
-    sizes = served.candidates
-    # Run i of every size before run i + 1 of any: drift of the machine shows as run-to-run
-    # noise rather than as a difference between block sizes.
-    order = [b for _ in range(runs) for b in sizes]
+    order = tuple(b for _ in range(runs) for b in served.candidates)
+    return _Plan(served, workload.without_longer_than(limit), order, clock)
+
+
+def _serve_live_runs(
+    plan: _Plan,
+    model: LlamaModel,
+    calibration: Calibration,
+    step_s: float | None,
+    seed: int,
+    jobs: int,
+    interleave: InterleavedGrid | None,
+    progress: Callable[[str], None],
+    live_bar: bool | None,
+) -> list[tuple[ServedMetrics, list[TimedStep]]]:
+    """Serve the plan's live runs in `jobs` processes, each timing its share of the
+    interleaved grid's points between its steps: every run's metrics and timed steps."""
+    import torch
+
+    order = plan.order
     tasks = [
         _LiveTask(i, b, None if interleave is None else len(order)) for i, b in enumerate(order)
     ]
     grid = None if interleave is None else interleave.grid
-    backend = calibration.provenance.backend
     where = "" if grid is None else f", timing {grid.num_points} grid points between their steps"
+    runs = len(order) // len(plan.sizes)
     progress(f"{len(order)} live runs, {runs} per block size, in {jobs} process(es){where}")
     with _LiveRunsBar(len(order), jobs, live_bar) as bar:
-        served_runs = map_in_processes(
+        return map_in_processes(
             partial(
                 _live_run,
                 model,
-                StepCostModel(served, calibration),
-                kept,
+                StepCostModel(plan.served, calibration),
+                plan.workload,
                 step_s,
-                clock,
+                plan.clock,
                 seed,
                 grid,
-                backend,
+                calibration.provenance.backend,
                 bar.reports,
             ),
             tasks,
@@ -396,57 +455,77 @@ def validate(
             threads=torch.get_num_threads(),
             done=lambda finished, total: progress(f"live run {finished} of {total} done"),
         )
-    measured = [metrics for metrics, _ in served_runs]
-    draws: list[StepCostModel] = []
-    if interleave is not None:
-        fit = fit_steps([step for _, timed in served_runs for step in timed], seed=seed)
-        engine = fitted_engine_calibration(
-            model,
-            interleave.model_name,
-            interleave.grid,
-            backend,
-            fit,
-            clock=clock,
-            how=(
-                f"by `blocktune validate`, between the steps of {len(order)} live runs in "
-                f"{jobs} process(es)"
-            ),
+
+
+def _refit(
+    plan: _Plan,
+    model: LlamaModel,
+    calibration: Calibration,
+    interleave: InterleavedGrid | None,
+    live: list[tuple[ServedMetrics, list[TimedStep]]],
+    step_s: float | None,
+    seed: int,
+    jobs: int,
+    progress: Callable[[str], None],
+) -> tuple[Calibration, list[StepCostModel]]:
+    """The calibration that prices the predictions and the servers of its refits: with an
+    interleaved grid, its engine section fitted to the steps the live runs timed, and (for
+    measured step times) `CALIBRATION_DRAWS` of the fit's refits; else `calibration` and
+    none."""
+    from blocktune.tuner.measure.engine_measure import describe_fit, fitted_engine_calibration
+
+    if interleave is None:
+        return calibration, []
+    fit = fit_steps([step for _, timed in live for step in timed], seed=seed)
+    engine = fitted_engine_calibration(
+        model,
+        interleave.model_name,
+        interleave.grid,
+        calibration.provenance.backend,
+        fit,
+        clock=plan.clock,
+        how=(
+            f"by `blocktune validate`, between the steps of {len(plan.order)} live runs in "
+            f"{jobs} process(es)"
+        ),
+    )
+    for line in describe_fit(engine):
+        progress(line)
+    calibration = calibration.with_engine(engine)
+    if step_s is not None:
+        return calibration, []
+    draws = [
+        StepCostModel(
+            plan.served, calibration.with_engine(engine.model_copy(update={"steps": refit}))
         )
-        for line in describe_fit(engine):
-            progress(line)
-        calibration = calibration.with_engine(engine)
-        if step_s is None:
-            draws = [
-                StepCostModel(
-                    served, calibration.with_engine(engine.model_copy(update={"steps": refit}))
-                )
-                for refit in fit.replicates[:CALIBRATION_DRAWS]
-            ]
-    server = StepCostModel(served, calibration, step_s)
+        for refit in fit.replicates[:CALIBRATION_DRAWS]
+    ]
+    return calibration, draws
+
+
+def _predict(
+    plan: _Plan,
+    server: StepCostModel,
+    measured: list[ServedMetrics],
+    draws: list[StepCostModel],
+    seed: int,
+    progress: Callable[[str], None],
+) -> list[BlockSizeCheck]:
+    """Each block size's check: its prediction on `server`, its live runs (`measured`, in
+    the plan's order), the prediction's sensitivity to the step time, and its predictions
+    with the calibration's refits (`draws`)."""
     checks = []
-    for b in sizes:
+    for b in plan.sizes:
         progress(f"B={b}: simulating")
-        predicted = predict(kept, server, b, seed=seed)
-        runs_of_b = tuple(m for size, m in zip(order, measured, strict=True) if size == b)
+        predicted = predict(plan.workload, server, b, seed=seed)
+        runs_of_b = tuple(m for size, m in zip(plan.order, measured, strict=True) if size == b)
         progress(f"B={b}: the prediction's sensitivity to the step time")
-        sensitivity = step_sensitivity(kept, server, b, predicted, mean_of(runs_of_b))
+        sensitivity = step_sensitivity(plan.workload, server, b, predicted, mean_of(runs_of_b))
         if draws:
             progress(f"B={b}: predicting with {len(draws)} refits of the calibration")
-        again = tuple(predict(kept, d, b, seed=seed) for d in draws)
+        again = tuple(predict(plan.workload, d, b, seed=seed) for d in draws)
         checks.append(BlockSizeCheck(b, predicted, runs_of_b, sensitivity, again))
-    trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
-    setup = {
-        "kv_budget_bytes": int(served.kv_budget),
-        "pool_blocks": {b: server.num_blocks(b) for b in served.candidates},
-        "calibration": calibration.describe(),
-        "block_size_effect": (
-            calibration.engine.block_size_verdict() if calibration.engine is not None else None
-        ),
-        "runs": runs,
-        "calibration_draws": len(draws),
-        "prediction": prediction_method(server, seed),
-    }
-    return Validation(trace=trace, setup=setup, checks=checks, calibration=calibration)
+    return checks
 
 
 def pool_slots(
@@ -623,21 +702,17 @@ def _live_run(
 
 
 def _engine(model: LlamaModel, server: StepCostModel, block_size: int, workload: Workload):
-    """A fresh engine with the simulator's pool at `block_size` and the policy's batch limits
-    (the attention backend `blocktune calibrate` measures: `default_backend`)."""
-    from blocktune.runtime.config import EngineConfig
+    """A fresh engine with the simulator's pool at `block_size` and the policy's engine
+    settings (its batch limits and prefix cache, as the simulator has them; the attention
+    backend `blocktune calibrate` measures: `default_backend`)."""
     from blocktune.runtime.engine import Engine
+    from blocktune.tuner.config.engine_settings import engine_settings
 
-    policy = server.policy
-    return Engine(
-        model,
-        EngineConfig(
-            block_size=block_size,
-            num_blocks=server.num_blocks(block_size),
-            max_num_seqs=policy.max_num_seqs,
-            max_num_batched_tokens=policy.max_num_batched_tokens,
-            max_model_len=int(workload.total_tokens.max()),
-            enable_prefix_caching=policy.max_num_batched_tokens is None,
-            candidate_block_sizes=(block_size,),
-        ),
+    settings = engine_settings(
+        server.policy,
+        num_blocks=server.num_blocks(block_size),
+        block_size=block_size,
+        candidates=(block_size,),
+        max_model_len=int(workload.total_tokens.max()),
     )
+    return Engine(model, settings.engine_config())

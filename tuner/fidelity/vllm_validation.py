@@ -31,8 +31,8 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from blocktune.tuner.config.calibration import Calibration, CalibrationError, EngineModel
-from blocktune.tuner.config.policy import ModelShape, Policy
+from blocktune.tuner.config.calibration import Calibration, CalibrationError
+from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.served_metrics import mean_of, predict, prediction_method
 from blocktune.tuner.fidelity.validation import BlockSizeCheck, Validation, step_sensitivity
 from blocktune.tuner.measure.vllm_measure import VllmClient
@@ -41,29 +41,13 @@ from blocktune.tuner.sim.served import ServedMetrics
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
 
-__all__ = ["VllmPool", "served_shape", "validate_vllm"]
+__all__ = ["VllmPool", "validate_vllm"]
 
 SCRAPE_S = 0.25
 """How often a run scrapes the server's /metrics for the KV blocks in use."""
 CACHE_INFO = "vllm:cache_config_info"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions_total"
-
-
-def served_shape(model: EngineModel) -> ModelShape:
-    """A calibration's model as a policy's `model` section (a Llama's parameters counted)."""
-    attention = model.hidden_size * model.head_dim * (2 * model.num_heads + 2 * model.num_kv_heads)
-    mlp = 3 * model.hidden_size * model.intermediate_size
-    return ModelShape(
-        num_layers=model.num_layers,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        dtype=model.dtype,
-        num_params=float(
-            model.vocab_size * model.hidden_size + model.num_layers * (attention + mlp)
-        ),
-    )
 
 
 class VllmPool:
@@ -182,7 +166,7 @@ def validate_vllm(
         {
             **dict(policy),
             "engine": "vllm",
-            "model": served_shape(calibration.engine.model),
+            "model": calibration.engine.model,
             "candidates": block_sizes,
         }
     )

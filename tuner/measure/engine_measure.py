@@ -59,7 +59,6 @@ from blocktune.tuner.config.calibration import (
     STEP_FORM,
     Calibration,
     EngineCalibration,
-    EngineModel,
     prefill_pairs,
 )
 from blocktune.tuner.config.policy import ModelShape
@@ -79,7 +78,6 @@ __all__ = [
     "check_grid",
     "default_engine_grid",
     "describe_fit",
-    "engine_model",
     "fitted_engine_calibration",
     "grid_for_lengths",
     "grid_for_pool",
@@ -207,10 +205,11 @@ def grid_for_pool(grid: EngineGrid, model: LlamaModel, pool_tokens: int) -> Engi
     )
 
 
-def engine_model(model: LlamaModel, name: str) -> EngineModel:
-    """The name and shape of a runtime model, as an engine calibration records it."""
+def model_shape(model: LlamaModel, name: str | None = None) -> ModelShape:
+    """A runtime model's shape (its `ModelConfig`, dtype and counted parameters), named
+    `name`: a policy's `model` section, and the model an engine calibration records."""
     c = model.config
-    return EngineModel(
+    return ModelShape(
         name=name,
         num_layers=c.num_layers,
         hidden_size=c.hidden_size,
@@ -219,18 +218,6 @@ def engine_model(model: LlamaModel, name: str) -> EngineModel:
         num_kv_heads=c.num_kv_heads,
         head_dim=c.head_dim,
         vocab_size=c.vocab_size,
-        dtype=str(model.dtype).removeprefix("torch."),
-    )
-
-
-def model_shape(model: LlamaModel) -> ModelShape:
-    """A runtime model as a policy's `model` section (its parameters counted)."""
-    c = model.config
-    return ModelShape(
-        num_layers=c.num_layers,
-        num_heads=c.num_heads,
-        num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
         dtype=str(model.dtype).removeprefix("torch."),
         num_params=float(sum(p.numel() for p in model.parameters())),
     )
@@ -312,7 +299,7 @@ def fitted_engine_calibration(
             "by non-negative least squares of the relative error, scaled so that measured / "
             f"fitted is 1 on average: {STEP_FORM}",
         ),
-        engine_model(model, name),
+        model_shape(model, name),
         threads=torch.get_num_threads(),
         clock=clock,
     )
@@ -447,7 +434,7 @@ def measure_model_kernels(
     """The kernel calibration (its `quick` grid or the full one) on `model`'s device for its
     attention shape and dtype, at `grid`'s block sizes: an engine calibration's first part."""
     device = model.device.type
-    shape = engine_model(model, name)
+    shape = model_shape(model, name)
     kernel_grid = replace(
         default_grid(device, quick=quick, block_sizes=grid.block_sizes),
         num_heads=shape.num_heads,
@@ -503,25 +490,24 @@ def _with_error(term: str, values, errors, factor: float = 1.0) -> str:
 
 
 def _engine(model: LlamaModel, grid: EngineGrid, block_size: int, backend: str) -> Engine:
-    from blocktune.runtime.config import EngineConfig
     from blocktune.runtime.engine import Engine
+    from blocktune.tuner.config.engine_settings import engine_settings
 
     rows = max(grid.batch_sizes) + max(grid.admissions) + 2
     blocks = rows * (-(-grid.longest // block_size) + 1)
     if grid.held_tokens is not None:  # no point holds more (`_points`), nor the pool more
         blocks = min(blocks, -(-grid.held_tokens // block_size) + 2 * rows)
-    return Engine(
-        model,
-        EngineConfig(
-            block_size=block_size,
-            num_blocks=blocks,
-            max_num_seqs=rows,
-            max_model_len=grid.longest + 1,
-            attention_backend=backend,
-            enable_prefix_caching=True,
-            candidate_block_sizes=(block_size,),
-        ),
+    settings = engine_settings(
+        None,
+        num_blocks=blocks,
+        block_size=block_size,
+        candidates=(block_size,),
+        max_num_seqs=rows,
+        max_model_len=grid.longest + 1,
+        attention_backend=backend,
+        enable_prefix_caching=True,
     )
+    return Engine(model, settings.engine_config())
 
 
 def _prompt(engine: Engine, rng: np.random.Generator, length: int) -> list[int]:
@@ -553,21 +539,21 @@ def warm_up_model(model: LlamaModel, backend: str) -> None:
     that what a process pays once (its weights packed for oneDNN by their first product:
     0.6 s of SmolLM2's first step on one thread here, 12 ms of tiny-random's) is paid before
     anything is timed. The simulator prices a warm engine, as a server is after its start."""
-    from blocktune.runtime.config import EngineConfig
     from blocktune.runtime.engine import Engine
+    from blocktune.tuner.config.engine_settings import engine_settings
 
     size = WARMUP_BLOCK_SIZE
-    engine = Engine(
-        model,
-        EngineConfig(
-            block_size=size,
-            num_blocks=4,
-            max_num_seqs=2,
-            max_model_len=size,
-            attention_backend=backend,
-            candidate_block_sizes=(size,),
-        ),
+    settings = engine_settings(
+        None,
+        num_blocks=4,
+        block_size=size,
+        candidates=(size,),
+        max_num_seqs=2,
+        max_model_len=size,
+        attention_backend=backend,
+        enable_prefix_caching=False,
     )
+    engine = Engine(model, settings.engine_config())
     _warm_up(engine, _Timing(np.random.default_rng(0), time.perf_counter))
 
 

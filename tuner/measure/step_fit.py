@@ -69,11 +69,11 @@ from blocktune.tuner.config.calibration import (
     PER_SIZE_TERMS,
     SIGNIFICANCE_SE,
     EngineCalibration,
-    EngineModel,
     FitResiduals,
     Provenance,
     StepCoefficients,
 )
+from blocktune.tuner.config.policy import ModelShape
 
 __all__ = [
     "BOOTSTRAP_FITS",
@@ -149,7 +149,7 @@ class StepFit:
     size_scales: dict[int, float] | None = None
 
     def engine_calibration(
-        self, provenance: Provenance, model: EngineModel, *, threads: int, clock: str = "wall"
+        self, provenance: Provenance, model: ModelShape, *, threads: int, clock: str = "wall"
     ) -> EngineCalibration:
         """The engine section of a calibration holding this fit, for `model` timed with
         `threads` torch threads by `clock`."""

@@ -47,11 +47,11 @@ import numpy as np
 from blocktune.tuner.config.calibration import (
     STEP_FORM,
     Calibration,
-    EngineModel,
     Provenance,
     analytic_calibration,
     prefill_pairs,
 )
+from blocktune.tuner.config.policy import ModelShape
 from blocktune.tuner.measure.step_fit import TimedStep, fit_steps
 from blocktune.tuner.measure.vllm_server import VllmServer, interpreter_torch_version
 
@@ -62,7 +62,7 @@ __all__ = [
     "VllmClient",
     "VllmGrid",
     "default_vllm_grid",
-    "hf_engine_model",
+    "hf_model_shape",
     "measure_vllm_calibration",
     "timed_steps",
 ]
@@ -106,7 +106,7 @@ def default_vllm_grid(*, quick: bool, block_sizes: tuple[int, ...]) -> VllmGrid:
     return VllmGrid(block_sizes, (1, 4, 16), (64, 512, 1024), decode_tokens=1 + 3 * SEGMENT_TOKENS)
 
 
-def hf_engine_model(folder: Path, name: str, dtype: str) -> EngineModel:
+def hf_model_shape(folder: Path, name: str, dtype: str) -> ModelShape:
     """The model's shape from a Hugging Face folder's config.json, as a calibration records
     it; `ValueError` naming the file and the missing key."""
     path = folder / "config.json"
@@ -116,7 +116,7 @@ def hf_engine_model(folder: Path, name: str, dtype: str) -> EngineModel:
         raise ValueError(f"{path}: cannot read the model's config ({error})") from error
     try:
         heads = config["num_attention_heads"]
-        return EngineModel(
+        return ModelShape(
             name=name,
             num_layers=config["num_hidden_layers"],
             hidden_size=config["hidden_size"],
@@ -267,7 +267,7 @@ def timed_steps(
 
 def measure_vllm_calibration(
     template: str,
-    model: EngineModel,
+    model: ModelShape,
     grid: VllmGrid,
     log_folder: Path,
     *,

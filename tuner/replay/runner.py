@@ -1,7 +1,7 @@
 """Offline replay: every block-size policy served the same trace on a simulated server.
 
 `replay(frame, policy, calibration)` plays the trace through the serving
-simulator (`core.simulator`: continuous batching, a paged KV cache of the
+simulator (`sim.simulator`: continuous batching, a paged KV cache of the
 policy's budget, the engine's batch limits and chunked prefill, preemption by
 recompute, prefix reuse, step times from the calibration) once per policy:
 
@@ -44,8 +44,8 @@ import pandas as pd
 from tqdm import tqdm
 
 from blocktune.tuner.config.calibration import Calibration, device_mismatch
-from blocktune.tuner.config.defaults import DEFAULT_BLOCK_SIZE
-from blocktune.tuner.config.policy import Policy, nearest_power_of_two
+from blocktune.tuner.config.engine_settings import engine_settings
+from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.replay.controllers import AdaptiveController, OracleController, TimelinePoint
 from blocktune.tuner.replay.objective import (
     GoalScores,
@@ -144,7 +144,7 @@ class ReplayReport:
 
     `oracle_schedule[i]` is the oracle's size in interval i; `runs` maps each
     policy name to its simulated `Run`; `fidelity` is the calibration's fidelity
-    check when the replay was given one (`fidelity.Fidelity.to_dict`).
+    check when the replay was given one (`fidelity.fidelity.Fidelity.to_dict`).
     """
 
     trace: dict
@@ -345,8 +345,8 @@ def plan_replay(
 ) -> ReplayPlan:
     """The shared part of a replay of `frame` (the canonical request table) under `policy`.
 
-    `initial_block_size` is where the adaptive policy starts (default: the
-    candidate nearest 16). `fixed_step_s` replaces the calibrated step time
+    `initial_block_size` is where the adaptive policy starts (default: the policy's
+    starting size, `engine_settings`). `fixed_step_s` replaces the calibrated step time
     (see `StepCostModel`).
     """
     server = StepCostModel(policy, calibration, fixed_step_s)
@@ -408,8 +408,9 @@ def _check_span(workload: Workload, interval_s: float, label: str) -> None:
 
 
 def _initial(policy: Policy, requested: int | None) -> int:
+    """`requested`, which must be a candidate, else the policy's starting size."""
     if requested is None:
-        return nearest_power_of_two(DEFAULT_BLOCK_SIZE, policy.candidates)
+        return engine_settings(policy).block_size
     if requested not in policy.candidates:
         raise ReplayError(
             f"initial block size {requested} is not among the policy's candidates "

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, Protocol
 
 import httpx
 from pydantic import AfterValidator, BaseModel, Field, TypeAdapter, ValidationError
@@ -36,7 +36,7 @@ from blocktune.tuner.config.policy import BlockSize
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine
 
-__all__ = ["Actuation", "EngineActuator", "HttpActuator", "SWAP_STATUSES"]
+__all__ = ["Actuation", "Actuator", "EngineActuator", "HttpActuator", "SWAP_STATUSES"]
 
 SWAP_STATUSES = ("done", "rejected", "rolled_back", "failed")
 MAX_BACKOFF_S = 30.0
@@ -54,6 +54,27 @@ class Actuation(SwapResult):
     attempts: int = 1
     target: str = ""
     at: float = 0.0
+
+
+class Actuator(Protocol):
+    """What the sidecar asks of an actuator: these here and the restarting ones of
+    `restarts`."""
+
+    @property
+    def target(self) -> str:
+        """What a switch is applied to, in words."""
+
+    def start(self) -> None:
+        """Start what the actuator runs (called once, when the sidecar starts)."""
+
+    def apply(self, new_block_size: int, old_block_size: int) -> Actuation:
+        """Apply one switch; the outcome, never an exception."""
+
+    def block_size(self) -> int | None:
+        """The size in force, or None when the target does not answer."""
+
+    def close(self) -> None:
+        """Release what the actuator holds (called once, when the sidecar stops)."""
 
 
 # An integer of at most 39 digits: any the worker has reason to send, and bounded.

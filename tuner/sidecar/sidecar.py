@@ -1,6 +1,7 @@
 """The sidecar: the tuning loop as a long-running service next to an inference worker.
 
-`Sidecar` owns the loop. Its sources (pushed observations, a vLLM `/metrics`
+`Sidecar` owns the loop; `build_sidecar` (in `assembly`) makes the parts it runs
+from the policy. Its sources (pushed observations, a vLLM `/metrics`
 scraper, a JSONL log follower, or the finished requests of an in-process
 engine) fill the length window; its `DecisionScheduler` runs one decision
 every policy interval: the selector decides against the block size the sidecar
@@ -17,9 +18,9 @@ at the next start.
 `create_sidecar_app` (in `blocktune.tuner.serving.sidecar_app`) serves a `Sidecar`
 over HTTP; library use needs no HTTP at all::
 
-    sidecar = Sidecar(policy, engine=engine)   # engine: blocktune.runtime.engine.Engine
-    sidecar.start()                            # decide every policy.interval ...
-    sidecar.decide()                           # ... or now
+    sidecar = build_sidecar(policy, engine=engine)  # from blocktune.tuner.sidecar.assembly
+    sidecar.start()                                 # decide every policy.interval ...
+    sidecar.decide()                                # ... or now
     sidecar.stop()
 """
 
@@ -29,27 +30,20 @@ import logging
 import statistics
 import threading
 import time
-from collections import deque
+from collections.abc import Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from blocktune.kernels import is_power_of_two
-from blocktune.tuner.config.calibration import Calibration, calibration_for, device_mismatch
+from blocktune.tuner.config.calibration import Calibration, device_mismatch
+from blocktune.tuner.config.engine_settings import engine_settings
 from blocktune.tuner.config.jsonable import to_jsonable
 from blocktune.tuner.config.policy import MAX_BLOCK_SIZE, Policy
 from blocktune.tuner.core.selector import Decision, Selector
-from blocktune.tuner.operations import log_event, token_from_env
-from blocktune.tuner.sidecar.actuators import (
-    SWAP_STATUSES,
-    Actuation,
-    EngineActuator,
-    HttpActuator,
-)
-from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
-from blocktune.tuner.sidecar.restarts import CommandActuator, VllmProcessActuator
+from blocktune.tuner.operations import log_event
+from blocktune.tuner.sidecar.actuators import SWAP_STATUSES, Actuation, Actuator
 from blocktune.tuner.sidecar.scheduler import DecisionScheduler
 from blocktune.tuner.sidecar.sources import (
     Observations,
@@ -59,26 +53,16 @@ from blocktune.tuner.sidecar.sources import (
     parse_observations,
 )
 from blocktune.tuner.sidecar.state import SavedState, SavedWindow, StateFile
-from blocktune.tuner.sidecar.vllm_metrics import VllmMetricsSource
+from blocktune.tuner.sidecar.stats import SidecarStats
 from blocktune.tuner.sim.window import LengthWindow, WindowSnapshot
 
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine
     from blocktune.runtime.requests import FinishedRequest
 
-Actuator = EngineActuator | HttpActuator | VllmProcessActuator | CommandActuator
-
-__all__ = ["PushDisabled", "Sidecar", "SidecarConfigError"]
+__all__ = ["PushDisabled", "Sidecar"]
 
 log = logging.getLogger("blocktune.sidecar")
-
-RESTARTS_KEPT = 5
-"""Measured restarts whose median replaces the policy's `restart` cost."""
-MISMATCH_KINDS = ("block_size", "backend", "device")
-
-
-class SidecarConfigError(ValueError):
-    """A sidecar set up with contradicting parts (the message says which)."""
 
 
 class PushDisabled(ValueError):
@@ -86,58 +70,52 @@ class PushDisabled(ValueError):
 
 
 class Sidecar:
-    """Sources -> length window -> scheduled selector decision -> actuator, state on disk."""
+    """Sources -> length window -> scheduled selector decision -> actuator, state on disk.
+
+    It runs the parts it is given (`blocktune.tuner.sidecar.assembly.build_sidecar`
+    makes them from the policy): the `actuator` that applies switches (with
+    `restarts_engine`, each switch restarts the engine, and the median of the measured
+    restarts prices the next ones), the polled `sources`, the in-process `engine` it
+    listens to, the `state_file` it restores from and saves to.
+    """
 
     def __init__(
         self,
         policy: Policy,
+        calibration: Calibration,
         *,
+        actuator: Actuator | None = None,
+        restarts_engine: bool = False,
+        sources: Sequence[PollingSource] = (),
         engine: Engine | None = None,
-        calibration: Calibration | None = None,
-        state_file: Path | str | None = None,
-        base_dir: Path | str = ".",
+        state_file: StateFile | None = None,
     ) -> None:
-        if engine is not None and policy.actuator.kind != "none":
-            raise SidecarConfigError(
-                "an in-process engine and actuator.kind "
-                f"{policy.actuator.kind!r} both want to apply switches; use one of them"
-            )
-        base = Path(base_dir)
         self.policy = policy
+        self.calibration = calibration
+        self.actuator = actuator
+        self.sources = list(sources)
         self.engine = engine
+        self.state_file = state_file
         self.window = LengthWindow(policy.window.capacity)
-        self.calibration = calibration or calibration_for(policy, base)
-        self.selector = Selector(policy, self.calibration, clock=time.time)
-        self._lock = threading.Lock()
-        self._restarts: deque[float] = deque(maxlen=RESTARTS_KEPT)
-        self._mismatches = dict.fromkeys(MISMATCH_KINDS, 0)
-        self._warned: set[tuple[str, object]] = set()
-        self.actuator = self._actuator(policy, engine, base)
+        self.selector = Selector(policy, calibration, clock=time.time)
         self.scheduler = DecisionScheduler(self._run_decision, policy.interval)
-        self.sources: list[PollingSource] = []
-        if policy.sources.vllm_metrics is not None:
-            self.sources.append(
-                VllmMetricsSource(policy.sources.vllm_metrics, self.observe, self._report_size)
-            )
-        if policy.sources.jsonl_log is not None:
-            self.sources.append(JsonlLogFollower(policy.sources.jsonl_log, self.observe, base=base))
+        self._restarting = restarts_engine
         self._runner = SourceRunner(self.sources)
         self.statuses = {s.name: s.status for s in self.sources}
         if policy.sources.push:
             self.statuses["push"] = SourceStatus("push")
         if engine is not None:
             self.statuses["engine"] = SourceStatus("engine")
-        self.state_file = None if state_file is None else StateFile(state_file)
-        self._current = policy.starting_block_size
+        self._lock = threading.Lock()
+        swaps = None if actuator is None else dict.fromkeys(SWAP_STATUSES, 0)
+        self._stats = SidecarStats(swaps=swaps)
+        self._warned: set[tuple[str, object]] = set()
+        self._current = engine_settings(policy).block_size
         self._decision: Decision | None = None
         self._body: dict | None = None  # the last decision as JSON, less the live fields
         self._actuation: dict | None = None
         self._recommended: int | None = None
         self._logged_recommendation: int | None = None
-        self._observations = 0
-        self._decisions = {"true": 0, "false": 0}
-        self._swaps = dict.fromkeys(SWAP_STATUSES, 0)
-        self._save_failures = 0
         self._started = False
         self._stopped = False
         self._early = False  # whether the first decision at min_samples was asked for
@@ -146,48 +124,11 @@ class Sidecar:
             self._current = engine.block_size
             engine.add_listener(self._on_finished)
 
-    def _actuator(self, policy: Policy, engine: Engine | None, base: Path) -> Actuator | None:
-        settings = policy.actuator
-        if engine is not None:
-            return EngineActuator(engine, timeout_s=settings.timeout.total_seconds())
-        if settings.kind == "http":
-            return HttpActuator(
-                settings.url,
-                token_from_env(settings.token_env),
-                timeout_s=settings.timeout.total_seconds(),
-                retries=settings.retries,
-                backoff_s=settings.backoff.total_seconds(),
-            )
-        if settings.kind == "vllm_process":
-            log_file = None if settings.log_file is None else base / settings.log_file
-            return VllmProcessActuator(
-                settings.command,
-                settings.url,
-                initial_block_size=policy.starting_block_size,
-                drain_timeout_s=settings.drain_timeout.total_seconds(),
-                start_timeout_s=settings.start_timeout.total_seconds(),
-                stop_timeout_s=settings.stop_timeout.total_seconds(),
-                log_file=log_file,
-                on_engine_info=self._report_engine,
-            )
-        if settings.kind == "command":
-            return CommandActuator(
-                settings.command,
-                url=settings.url,
-                timeout_s=settings.timeout.total_seconds(),
-                start_timeout_s=settings.start_timeout.total_seconds(),
-            )
-        return None
-
-    @property
-    def _restarting(self) -> bool:
-        return isinstance(self.actuator, VllmProcessActuator | CommandActuator)
-
     def _measured_restart(self, seconds: float) -> None:
         """A restart took `seconds`: the decisions from now on pay back the median of the
         last few measured restarts instead of the policy's `restart`."""
         with self._lock:
-            self._restarts.append(seconds)
+            self._stats.restarts_s.append(seconds)
         cost = self._price_measured_restarts()
         log_event(log, "restart_cost_measured", restart_s=round(seconds, 3), cost_s=round(cost, 3))
 
@@ -195,7 +136,7 @@ class Sidecar:
         """Decide from now on with the median of the measured restarts as the restart cost
         (the last switch's time kept for min_dwell); that median."""
         with self._lock:
-            cost = statistics.median(self._restarts)
+            cost = statistics.median(self._stats.restarts_s)
         measured = self.policy.model_copy(update={"restart": timedelta(seconds=cost)})
         selector = Selector(measured, self.calibration, clock=time.time)
         if self.selector.last_switch is not None:
@@ -266,7 +207,7 @@ class Sidecar:
             prefix_groups=batch.prefix_groups,
         )
         with self._lock:
-            self._observations += len(batch)
+            self._stats.observations += len(batch)
         self._first_decision_when_ready()
 
     def _first_decision_when_ready(self) -> None:
@@ -297,12 +238,12 @@ class Sidecar:
     def _on_finished(self, record: FinishedRequest) -> None:
         self.window.observe(record.prompt_tokens, record.output_tokens)
         with self._lock:
-            self._observations += 1
+            self._stats.observations += 1
         self.statuses["engine"].succeeded(1)
         self._first_decision_when_ready()
 
-    def _report_size(self, block_size: int) -> None:
-        """A source reports the block size in use (vLLM's cache_config_info)."""
+    def report_block_size(self, block_size: int) -> None:
+        """The vLLM metrics source reports the block size in use (its cache_config_info)."""
         if not (is_power_of_two(block_size) and block_size <= MAX_BLOCK_SIZE):
             self.statuses["vllm_metrics"].bad_items(
                 1,
@@ -329,7 +270,7 @@ class Sidecar:
                 f"candidates {list(self.policy.candidates)}",
             )
 
-    def _report_engine(self, platform: str | None, backend: str | None) -> None:
+    def report_engine(self, platform: str | None, backend: str | None) -> None:
         """The vLLM server's log names its platform or attention backend."""
         if backend is not None and backend != self.policy.vllm_backend:
             self._mismatch(
@@ -347,7 +288,7 @@ class Sidecar:
     def _mismatch(self, kind: str, value: object, warning: str) -> None:
         """Count a disagreement between the policy and the engine; log it once per value."""
         with self._lock:
-            self._mismatches[kind] += 1
+            self._stats.engine_mismatches[kind] += 1
             first = (kind, value) not in self._warned
             self._warned.add((kind, value))
         if first:
@@ -388,10 +329,10 @@ class Sidecar:
         recommended = decision.block_size if decision.switch else decision.current_block_size
         with self._lock:
             self._decision = decision
-            self._decisions[str(decision.switch).lower()] += 1
+            self._stats.decisions[str(decision.switch).lower()] += 1
             if actuation is not None:
                 self._actuation = actuation.to_dict()
-                self._swaps[actuation.status] += 1
+                self._stats.swaps[actuation.status] += 1
                 if actuation.status == "done":
                     self._current = in_force
             self._recommended = recommended
@@ -496,31 +437,24 @@ class Sidecar:
             out["ready"] = out["ready"] and answers
         return out
 
-    def metrics(self) -> dict:
-        """Numbers for the Prometheus exposition."""
+    def stats(self) -> SidecarStats:
+        """The counts and the readings of now, for the Prometheus exposition (a copy)."""
         with self._lock:
             decision = self._decision
-            out = {
-                "recommended_block_size": self._recommended,
-                "current_block_size": self._current,
-                "observations": self._observations,
-                "decisions": dict(self._decisions),
-                "swaps": dict(self._swaps) if self.actuator is not None else None,
-                "switch_cost_s": self.selector.policy.switch_cost_s,
-                "restarts_s": list(self._restarts),
-                "engine_mismatches": dict(self._mismatches),
-                "state_save_failures": self._save_failures,
-            }
-        out["window_requests"] = len(self.window)
-        out["decision_failures"] = self.scheduler.failures
-        out["padding_ratio"] = (
-            {} if decision is None else {c.block_size: c.padding_ratio for c in decision.candidates}
-        )
-        out["source_errors"] = {name: s.errors for name, s in self.statuses.items()}
-        out["source_unobserved_polls"] = {
+            stats = self._stats.copy(
+                current_block_size=self._current,
+                recommended_block_size=self._recommended,
+                switch_cost_s=self.selector.policy.switch_cost_s,
+            )
+        candidates = () if decision is None else decision.candidates
+        stats.padding_ratio = {c.block_size: c.padding_ratio for c in candidates}
+        stats.window_requests = len(self.window)
+        stats.decision_failures = self.scheduler.failures
+        stats.source_errors = {name: s.errors for name, s in self.statuses.items()}
+        stats.source_unobserved_polls = {
             name: s.unobserved_polls for name, s in self.statuses.items()
         }
-        return out
+        return stats
 
     # ------------------------------------------------------------------ state
     def save_state(self) -> None:
@@ -533,7 +467,7 @@ class Sidecar:
             self.state_file.save(self._saved_state(), self.policy)
         except (OSError, ValueError) as error:
             with self._lock:
-                self._save_failures += 1
+                self._stats.state_save_failures += 1
             log_event(log, "state_save_failed", file=str(self.state_file.path), error=str(error))
 
     def _saved_state(self) -> SavedState:
@@ -555,7 +489,7 @@ class Sidecar:
                 ),
                 recommendation=self._body,
                 actuation=self._actuation,
-                restarts_s=list(self._restarts),
+                restarts_s=list(self._stats.restarts_s),
             )
 
     def _restore(self) -> None:
@@ -578,7 +512,7 @@ class Sidecar:
         self._body = saved.recommendation
         self._actuation = saved.actuation
         if saved.restarts_s and self._restarting:
-            self._restarts.extend(saved.restarts_s)
+            self._stats.restarts_s.extend(saved.restarts_s)
             self._price_measured_restarts()
         if saved.last_switch_at is not None:
             self.selector.record_switch(saved.last_switch_at)
@@ -589,5 +523,5 @@ class Sidecar:
             requests=len(rows.prompt_tokens),
             block_size=saved.current_block_size,
             saved_at=saved.saved_at,
-            restart_cost_s=self.selector.policy.switch_cost_s if self._restarts else None,
+            restart_cost_s=self.selector.policy.switch_cost_s if self._stats.restarts_s else None,
         )

@@ -161,7 +161,7 @@ class CostModel:
         self._slot_bytes = model.kv_bytes_per_token
         self.weights_read_s = model.weight_bytes / calibration.memory_bandwidth_bytes_per_s
         """Seconds to read the weights once (every engine step does)."""
-        self.prefill_s_per_token = 2 * model.num_params / calibration.compute_flops_per_s
+        self.prefill_s_per_token = 2 * model.weight_count / calibration.compute_flops_per_s
         """Seconds of matmul work per prompt token computed."""
 
     def kernel(self, block_size: int) -> KernelCoefficients:

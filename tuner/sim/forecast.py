@@ -65,6 +65,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from blocktune.tuner.config.calibration import Calibration
+from blocktune.tuner.config.engine_settings import engine_settings
 from blocktune.tuner.config.policy import Policy, SloSettings
 from blocktune.tuner.sim.served import ServedMetrics, percentiles
 from blocktune.tuner.sim.simulator import Run, simulate
@@ -325,7 +326,8 @@ class Forecaster:
         """The sustained load multiple and the generated tokens/s when saturated."""
         span = float(workload.arrival_s[-1] - workload.arrival_s[0])
         held = float(np.mean(workload.total_tokens))
-        at_once = min(self.policy.max_num_seqs, self.server.capacity_slots(block_size) / held)
+        rows = engine_settings(self.policy).max_num_seqs
+        at_once = min(rows, self.server.capacity_slots(block_size) / held)
         copies = max(1, math.ceil(SATURATION_FILLS * at_once / len(workload)))
         saturated = Workload.of_lengths(
             np.zeros(copies * len(workload)),

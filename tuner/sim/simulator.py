@@ -5,21 +5,22 @@ engine does: a request generates a token in its admission step too, and holds
 the K/V of p + t - 1 tokens in its t-th step (p prompt tokens; the token a step
 samples gets its slot in the next step), so it is admitted with
 `runtime.block_manager.blocks_for(p, B)` blocks, the owner of that count for
-both. Every step
+both. Its batch limits and prefix cache are the engine settings of the policy
+(`tuner.config.engine_settings`), those the worker runs with. Every step
 
 1. admits waiting requests, oldest first (preempted ones go back to the
    front), while the blocks they need for this step are free, after the blocks
-   the running requests need for this step, and while fewer than the policy's
-   `max_num_seqs` are in the batch; each of a request's shareable prefix
-   blocks (`Workload.shared_blocks`) is taken from the prefix cache when
-   present there (blocks are matched one by one, by their chained key);
+   the running requests need for this step, and while fewer than
+   `max_num_seqs` are in the batch; with the prefix cache on, each of a
+   request's shareable prefix blocks (`Workload.shared_blocks`) is taken from
+   it when present there (blocks are matched one by one, by their chained key);
 2. prefills what is not cached (a preempted request recomputes its prompt and
    the tokens it had generated, less the leading full blocks of its own still
-   cached: without a token budget the engine caches every full block, and a
-   preempted request's blocks stay cached like any released block, its first
-   block the most recently released). Without a token budget a whole prompt is
-   computed in its admission step. With chunked prefill
-   (`policy.max_num_batched_tokens`, as vLLM schedules it) a step computes at
+   cached: with the prefix cache and without a token budget the engine caches
+   every full block, and a preempted request's blocks stay cached like any
+   released block, its first block the most recently released). Without a
+   token budget a whole prompt is computed in its admission step. With chunked
+   prefill (`max_num_batched_tokens`, as vLLM schedules it) a step computes at
    most that many tokens: one per running request, the rest for prompt chunks
    of the admitted requests in admission order; a request joins the running
    ones (and makes its first token) in the step that computes its last chunk;
@@ -63,6 +64,7 @@ import numpy as np
 
 from blocktune.runtime.block_manager import blocks_for
 from blocktune.tuner.config.calibration import prefill_pairs
+from blocktune.tuner.config.engine_settings import engine_settings
 from blocktune.tuner.sim.step_cost import StepCostModel
 from blocktune.tuner.sim.workload import Workload
 
@@ -223,9 +225,13 @@ class _Server:
         self.prefill_pairs = 0  # and their attention pairs (`calibration.STEP_FORM`)
         self.prefill_chunks = 0  # and the prompts they belong to
         self.computed_counts: set[int] = set()  # token counts of the steps run so far
-        policy = server.policy
-        self.max_seqs = policy.max_num_seqs
-        self.token_budget = policy.max_num_batched_tokens
+        engine = engine_settings(server.policy)
+        self.max_seqs = engine.max_num_seqs
+        self.token_budget = engine.max_num_batched_tokens
+        self.prefix_caching = engine.enable_prefix_caching
+        # A preempted request finds its own blocks cached again only where the engine caches
+        # every full block it releases: with the prefix cache, without a token budget.
+        self.caches_own_blocks = self.prefix_caching and self.token_budget is None
         # Admitted requests whose prompt chunks are still being computed (chunked prefill):
         # [row, tokens left to compute, held tokens, shared blocks]; `pending_blocks` is what
         # they reserve (their blocks for their first step, less shared prefix blocks).
@@ -325,10 +331,10 @@ class _Server:
     def _cache_own_blocks(self, request: int, shared: int, written: int) -> None:
         """Keep the full blocks of a released request's own `written` tokens (after its
         `shared` prefix blocks) cached, released last to first, as the engine's prefix cache
-        does (only without a token budget: the engine caches no prefixes with chunked
-        prefill). Only a preempted request finds its own again; a finished one's are there
-        to be evicted in their turn."""
-        if self.token_budget is None:
+        does (`caches_own_blocks`: with the prefix cache, without a token budget). Only a
+        preempted request finds its own again; a finished one's are there to be evicted in
+        their turn."""
+        if self.caches_own_blocks:
             for i in reversed(range(shared, written // self.block_size)):
                 self.evictable[_own_key(request, i)] = None
 
@@ -380,14 +386,15 @@ class _Server:
         while self.waiting and room > 0:
             request = self.waiting[0]
             held = self.prompts[request] + self.generated[request]
-            shared = w.shared_blocks(request, held, size) if request in w.chains else 0
+            shareable = self.prefix_caching and request in w.chains
+            shared = w.shared_blocks(request, held, size) if shareable else 0
             keys, held_hits, cached_hits = [], 0, 0
             if shared:
                 keys = w.prefix_keys(request, shared, size)
                 held_hits = sum(1 for k in keys if k in self.refs)
                 cached_hits = sum(1 for k in keys if k in self.evictable)
             own_hits = 0
-            if self.token_budget is None and held_hits + cached_hits == shared:
+            if self.caches_own_blocks and held_hits + cached_hits == shared:
                 while shared + own_hits < (held - 1) // size and (
                     _own_key(request, shared + own_hits) in self.evictable
                 ):

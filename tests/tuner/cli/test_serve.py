@@ -13,6 +13,7 @@ import pytest
 from blocktune.tuner.cli import build_parser, main
 from blocktune.tuner.cli.host_args import with_allowed_hosts
 from blocktune.tuner.config.config_files import ConfigError
+from blocktune.tuner.config.engine_settings import engine_settings
 from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.operations import NotReady, free_port, wait_until_ready
 
@@ -107,17 +108,17 @@ def test_policy_sidecar_sections_and_their_defaults(tmp_path):
     assert default.sources.push and default.sources.vllm_metrics is None
     assert (default.server.host, default.server.port) == ("127.0.0.1", 8787)
     assert default.auth.token_env == "BLOCKTUNE_TOKEN" and default.actuator.kind == "none"
-    assert default.starting_block_size == 16
+    assert engine_settings(default).block_size == 16
     path = tmp_path / "p.yaml"
     path.write_text(DEFAULT.read_text() + SIDECAR_SECTIONS)
     policy = load_policy(path)
     assert policy.sources.vllm_metrics.interval.total_seconds() == 10
     assert policy.sources.jsonl_log.prompt_field == "usage.prompt_tokens"
     assert policy.sources.jsonl_log.output_field == "output_tokens"
-    assert policy.starting_block_size == 32 and policy.auth.token_env == "MY_TOKEN"
+    assert engine_settings(policy).block_size == 32 and policy.auth.token_env == "MY_TOKEN"
     narrow = tmp_path / "narrow.yaml"
     narrow.write_text(DEFAULT.read_text().replace("[8, 16, 32, 64, 128]", "[32, 64]"))
-    assert load_policy(narrow).starting_block_size == 32
+    assert engine_settings(load_policy(narrow)).block_size == 32
 
 
 @pytest.mark.parametrize(

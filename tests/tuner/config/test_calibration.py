@@ -192,3 +192,58 @@ def test_calibrate_on_cpu_writes_a_measured_file(tmp_path, capsys):
             coefficients.launch_s + coefficients.per_block_s * 32 + coefficients.per_token_s * 1000
         )
         assert time_1000 > 0
+
+
+ENGINE_SECTION = """\
+engine:
+  provenance: {kind: measured, device: cpu, date: '2026-12-01T00:00:00Z', torch: '2.5', grid: {}}
+  model:
+    name: smollm2
+    num_layers: 30
+    hidden_size: 576
+    intermediate_size: 1536
+    num_heads: 9
+    num_kv_heads: 3
+    head_dim: 64
+    vocab_size: 49152
+    dtype: float32
+  threads: 1
+  steps:
+    16: {fixed_s: 0.01, per_block_s: 0.0, per_token_s: 1.0e-05, per_sequence_s: 0.002,
+         prefill_s_per_token: 1.0e-05}
+  residuals:
+    16: {points: 10, rms_relative: 0.01, max_relative: 0.02}
+"""
+"""An engine section as calibrations wrote it before the model recorded its weight count."""
+
+
+def test_an_engine_section_without_the_weight_count_loads_and_counts_it(tmp_path):
+    path = tmp_path / "engine.yaml"
+    path.write_text(analytic_calibration().to_yaml() + ENGINE_SECTION, encoding="utf-8")
+    calibration = load_calibration(path)
+    model = calibration.engine.model
+    assert (model.name, model.vocab_size, model.num_params) == ("smollm2", 49152, None)
+    assert model.weight_count == 134_479_872  # SmolLM2-135M, its embeddings tied
+    assert "num_params" not in calibration.to_yaml()
+    path.write_text(calibration.to_yaml(), encoding="utf-8")
+    assert load_calibration(path) == calibration
+    policy = Policy(deployment="smol", model=model, kv_budget="64MiB", candidates=(16,))
+    calibration.engine.require_model(policy.model)  # the timed model is the policy's
+    other = model.model_copy(update={"num_kv_heads": 9, "dtype": "bfloat16"})
+    with pytest.raises(CalibrationError, match=r"num_kv_heads 9 \(measured: 3\), dtype bf"):
+        calibration.engine.require_model(other)
+
+
+def test_an_engine_section_needs_the_timed_models_name_and_vocabulary(tmp_path):
+    path = tmp_path / "engine.yaml"
+    nameless = ENGINE_SECTION.replace("    name: smollm2\n", "")
+    path.write_text(analytic_calibration().to_yaml() + nameless, encoding="utf-8")
+    with pytest.raises(ConfigError, match="the timed model's name and vocab_size are needed"):
+        load_calibration(path)
+
+
+def test_every_bundled_calibration_loads():
+    files = bundled_files()
+    assert {path.name for path in files} >= {ANALYTIC_FILE}
+    for path in files:
+        assert load_calibration(path).block_sizes

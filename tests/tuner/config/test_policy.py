@@ -216,7 +216,6 @@ def test_serving_settings_default_by_engine_and_vllm_refuses_sizes_its_backend_c
     default = load_policy()
     assert (default.goal, default.headroom, default.min_gain) == ("capacity", 2.0, 0.02)
     assert (default.slo.ttft_p99_s, default.slo.tpot_p99_s) == (2.0, 0.15)
-    assert (default.max_num_seqs, default.max_num_batched_tokens) == (64, None)
     assert default.switch_cost_s == pytest.approx(0.01)
     data = {**default.model_dump(), "engine": "vllm"}
     flash = r"candidates \[8\] are refused by the FLASH_ATTN backend: .* of 16 .*flash_attn.py"
@@ -224,7 +223,6 @@ def test_serving_settings_default_by_engine_and_vllm_refuses_sizes_its_backend_c
         Policy.model_validate(data)
     vllm = Policy.model_validate({**data, "candidates": [16, 32, 64]})
     assert vllm.vllm_backend == "FLASH_ATTN" and vllm.backend.device == "gpu"
-    assert (vllm.max_num_seqs, vllm.max_num_batched_tokens) == (256, 2048)
     assert vllm.switch_cost_s == 60.0
     # vLLM's CPU build refuses 16 (it failed after the model loaded); FlashInfer takes 16.
     cpu = r"candidates \[16\] are refused by the CPU_ATTN backend: .* multiples of 32 .*cpu_attn.py"
@@ -236,8 +234,6 @@ def test_serving_settings_default_by_engine_and_vllm_refuses_sizes_its_backend_c
     assert Policy.model_validate(flashinfer).backend.refused((8, 16, 128)) == [8]
     with pytest.raises(ValidationError, match="vllm_backend\n  Input should be 'CPU_ATTN'"):
         Policy.model_validate({**data, "candidates": [32], "vllm_backend": "cpu"})
-    batch = Policy.model_validate({**data, "candidates": [16], "batch": {"max_num_seqs": 8}})
-    assert (batch.max_num_seqs, batch.max_num_batched_tokens) == (8, 2048)
 
 
 @pytest.mark.parametrize(
@@ -314,3 +310,33 @@ def test_model_shape_sizes_have_upper_bounds(tmp_path):
         "model.head_dim",
         "model.num_params",
     ]
+
+
+def test_a_model_gives_its_weight_count_or_the_architecture_it_follows_from(tmp_path):
+    """SmolLM2-135M's shape (tied embeddings): 49152 x 576 embeddings and 30 layers of
+    576 x 64 x (2 x 9 + 2 x 3) attention and 3 x 576 x 1536 MLP weights, 134.5M."""
+    smollm2 = GOOD.replace("  num_params: 8.03e9\n", "").replace("num_layers: 32", "num_layers: 30")
+    smollm2 = smollm2.replace("num_heads: 32", "num_heads: 9").replace(
+        "num_kv_heads: 8", "num_kv_heads: 3"
+    )
+    smollm2 = smollm2.replace("head_dim: 128", "head_dim: 64")
+    with pytest.raises(ConfigError, match="num_params is needed where hidden_size"):
+        load_policy(write(tmp_path, smollm2))
+    architecture = "  hidden_size: 576\n  intermediate_size: 1536\n  vocab_size: 49152\n"
+    shape = load_policy(write(tmp_path, smollm2.replace("kv_budget", architecture + "kv_budget")))
+    assert shape.model.num_params is None
+    assert shape.model.weight_count == 134_479_872
+    assert shape.model.weight_bytes == 134_479_872 * 2  # bfloat16
+    given = load_policy(write(tmp_path, GOOD.replace("kv_budget", architecture + "kv_budget")))
+    assert given.model.weight_count == 8.03e9  # a count given wins over the architecture
+
+
+def test_the_dtypes_priced_are_the_engines_and_vllms_fp8_cache(tmp_path):
+    from blocktune.runtime.defaults import ENGINE_DTYPES
+    from blocktune.tuner.config.policy import DTYPE_BYTES
+
+    assert tuple(DTYPE_BYTES) == (*ENGINE_DTYPES, "float8")
+    fp8 = load_policy(write(tmp_path, GOOD.replace("dtype: bfloat16", "dtype: float8")))
+    assert fp8.model.kv_bytes_per_token == 2 * 32 * 8 * 128 * 1
+    with pytest.raises(ConfigError, match="'float32', 'float16', 'bfloat16' or 'float8'"):
+        load_policy(write(tmp_path, GOOD.replace("dtype: bfloat16", "dtype: int8")))

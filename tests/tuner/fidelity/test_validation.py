@@ -443,14 +443,13 @@ def _calibrated_server(spread: tuple[float, ...]) -> StepCostModel:
     1 ms per 100 prompt tokens, with `spread` as the calibration's step spread."""
     from blocktune.tuner.config.calibration import (
         EngineCalibration,
-        EngineModel,
         FitResiduals,
         Provenance,
         StepCoefficients,
     )
-    from blocktune.tuner.fidelity.vllm_validation import served_shape
+    from blocktune.tuner.config.policy import ModelShape
 
-    model = EngineModel(
+    model = ModelShape(
         name="smollm2", num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9,
         num_kv_heads=3, head_dim=64, vocab_size=49152, dtype="float32",
     )  # fmt: skip
@@ -468,9 +467,7 @@ def _calibrated_server(spread: tuple[float, ...]) -> StepCostModel:
         step_spread=spread,
     )
     calibration = analytic_calibration().model_copy(update={"provenance": provenance})
-    policy = Policy(
-        deployment="smol", model=served_shape(model), kv_budget="64MiB", candidates=(16,)
-    )
+    policy = Policy(deployment="smol", model=model, kv_budget="64MiB", candidates=(16,))
     return StepCostModel(policy, calibration.with_engine(engine))
 
 

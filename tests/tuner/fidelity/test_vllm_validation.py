@@ -16,17 +16,16 @@ import yaml
 from blocktune.tuner.cli import main
 from blocktune.tuner.config.calibration import (
     EngineCalibration,
-    EngineModel,
     FitResiduals,
     Provenance,
     StepCoefficients,
     analytic_calibration,
 )
-from blocktune.tuner.fidelity.vllm_validation import served_shape
+from blocktune.tuner.config.policy import ModelShape
 
 FAKE_VLLM = Path(__file__).resolve().parents[2] / "fake_vllm.py"
 STEP = {"fixed_s": 0.01, "per_sequence_s": 0.002, "per_token_s": 1e-5}
-SMOLLM2 = EngineModel(
+SMOLLM2 = ModelShape(
     name="smollm2",
     num_layers=30,
     hidden_size=576,
@@ -66,7 +65,7 @@ def write_inputs(tmp_path: Path) -> tuple[Path, Path, Path]:
     calibration_file.write_text(calibration.with_engine(engine).to_yaml())
     policy = {
         "deployment": "fake-vllm",
-        "model": served_shape(SMOLLM2).model_dump(),
+        "model": SMOLLM2.model_dump(exclude_none=True),
         "kv_budget": "1GiB",
         "engine": "vllm",
         "vllm_backend": "CPU_ATTN",

@@ -9,10 +9,10 @@ import pytest
 from blocktune.tuner.config.calibration import (
     B_INDEPENDENT,
     EngineCalibration,
-    EngineModel,
     StepCoefficients,
     analytic_calibration,
 )
+from blocktune.tuner.config.policy import ModelShape
 from blocktune.tuner.measure.engine_measure import describe_fit
 from blocktune.tuner.measure.step_fit import (
     BOOTSTRAP_FITS,
@@ -32,7 +32,7 @@ TRUE = {
 }
 SHORTEST = 37
 ANALYTIC = analytic_calibration()
-MODEL = EngineModel(
+MODEL = ModelShape(
     name="tiny", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
     num_kv_heads=2, head_dim=16, vocab_size=256, dtype="float32",
 )  # fmt: skip

@@ -19,7 +19,7 @@ from blocktune.tuner.measure.vllm_measure import (
     SEGMENT_TOKENS,
     StreamedRequest,
     VllmGrid,
-    hf_engine_model,
+    hf_model_shape,
     timed_steps,
 )
 from blocktune.tuner.measure.vllm_server import VllmServer, VllmStartError
@@ -117,11 +117,11 @@ def test_a_grid_needs_one_decode_segment():
 
 
 def test_the_model_shape_comes_from_the_folders_config(tmp_path):
-    shape = hf_engine_model(model_folder(tmp_path), "smollm2", "float32")
+    shape = hf_model_shape(model_folder(tmp_path), "smollm2", "float32")
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim) == (30, 3, 64)
     (tmp_path / "smollm2" / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(ValueError, match="config.json: no 'num_attention_heads'"):
-        hf_engine_model(tmp_path / "smollm2", "smollm2", "float32")
+        hf_model_shape(tmp_path / "smollm2", "smollm2", "float32")
 
 
 @pytest.mark.slow  # starts the fake vLLM

@@ -16,7 +16,7 @@ from blocktune.tuner.config.policy import ServerSettings, load_policy
 from blocktune.tuner.serving.http import guarded_app, host_name
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.serving.worker_app import create_worker_app
-from blocktune.tuner.sidecar.sidecar import Sidecar
+from blocktune.tuner.sidecar.assembly import build_sidecar
 
 POLICY = load_policy(Path(__file__).resolve().parents[3] / "policies" / "default.yaml")
 JSON = {"content-type": "application/json"}
@@ -38,7 +38,7 @@ def engine_loop():
 def service(request, engine_loop, live_server):
     """(base URL, the path a body goes to, a valid body, how many bodies took effect)."""
     if request.param == "sidecar":
-        sidecar = Sidecar(POLICY)
+        sidecar = build_sidecar(POLICY)
         with live_server(create_sidecar_app(sidecar)) as url:
             yield url, "/v1/observations", OBSERVATION, lambda: len(sidecar.window)
     else:
@@ -101,14 +101,14 @@ def test_a_rebound_host_is_refused_even_with_a_token(engine_loop, live_server):
         assert engine_loop.state()["completed"] == done
         own = httpx.post(f"{url}/v1/completions", content=COMPLETION, headers=JSON)
         assert own.status_code == 200
-    with live_server(create_sidecar_app(Sidecar(POLICY), token="t")) as url:
+    with live_server(create_sidecar_app(build_sidecar(POLICY), token="t")) as url:
         for path in ("/v1/recommendation", "/v1/window", "/metrics"):
             assert httpx.get(url + path, headers=REBOUND).status_code == 421, path
         assert httpx.get(f"{url}/v1/window").status_code == 200
 
 
 def test_a_deployment_names_its_allowed_hosts(live_server):
-    app = create_sidecar_app(Sidecar(POLICY), token="t", allowed_hosts=["sidecar.internal"])
+    app = create_sidecar_app(build_sidecar(POLICY), token="t", allowed_hosts=["sidecar.internal"])
     with live_server(app) as url:
         for host in ("sidecar.internal", "Sidecar.Internal:8787"):
             assert httpx.get(f"{url}/v1/window", headers={"host": host}).status_code == 200
@@ -131,7 +131,7 @@ def test_a_deployment_names_its_allowed_hosts(live_server):
     ],
 )
 def test_a_host_header_that_is_no_host_and_port_is_refused(host, live_server):
-    sidecar = Sidecar(POLICY)
+    sidecar = build_sidecar(POLICY)
     with live_server(create_sidecar_app(sidecar)) as url:
         response = httpx.post(
             f"{url}/v1/observations", content=OBSERVATION, headers={**JSON, "host": host}
@@ -240,7 +240,7 @@ def read_until_closed(connection: socket.socket) -> bytes | None:
 
 def test_a_stalled_request_and_an_idle_connection_are_closed(live_server):
     settings = ServerSettings(read_timeout="0.5s", keep_alive="5s")
-    with live_server(create_sidecar_app(Sidecar(POLICY)), settings) as url:
+    with live_server(create_sidecar_app(build_sidecar(POLICY)), settings) as url:
         stalled = raw_connection(url)
         head = b"POST /v1/observations HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         stalled.sendall(head + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n[{")
@@ -254,7 +254,7 @@ def test_a_stalled_request_and_an_idle_connection_are_closed(live_server):
 
 def test_an_idle_keep_alive_connection_is_closed_after_keep_alive(live_server):
     settings = ServerSettings(read_timeout="30s", keep_alive="0.3s")
-    with live_server(create_sidecar_app(Sidecar(POLICY)), settings) as url:
+    with live_server(create_sidecar_app(build_sidecar(POLICY)), settings) as url:
         connection = raw_connection(url, timeout_s=3.0)  # uvicorn's own default is 5 s
         connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         answer = read_until_closed(connection)  # the answer, then the close
@@ -277,7 +277,7 @@ def test_an_answer_that_takes_longer_than_the_read_timeout_is_not_cut(live_serve
 
 def test_connections_beyond_the_limit_are_closed_at_once(live_server):
     settings = ServerSettings(read_timeout="30s", max_connections=3)
-    with live_server(create_sidecar_app(Sidecar(POLICY)), settings) as url:
+    with live_server(create_sidecar_app(build_sidecar(POLICY)), settings) as url:
         held = [raw_connection(url) for _ in range(3)]
         assert read_until_closed(raw_connection(url)) == b""
         held[0].sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")

@@ -32,7 +32,7 @@ from blocktune.runtime.tokenizer import Tokenizer
 from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.serving.worker_app import create_worker_app
-from blocktune.tuner.sidecar.sidecar import Sidecar
+from blocktune.tuner.sidecar.assembly import build_sidecar
 
 POLICY = load_policy(Path(__file__).resolve().parents[3] / "policies" / "default.yaml")
 EXAMPLES = 100  # per operation and mode: about a minute for both services on 2 cores
@@ -78,7 +78,7 @@ def conforms(url: str, operation, mode: GenerationMode) -> None:
 
 
 def test_the_sidecar_answers_as_documented(live_server):
-    with live_server(create_sidecar_app(Sidecar(POLICY))) as url:
+    with live_server(create_sidecar_app(build_sidecar(POLICY))) as url:
         found = operations(url)
         for _, operation, mode in found:
             conforms(url, operation, mode)

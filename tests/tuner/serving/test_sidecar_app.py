@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
-from blocktune.tuner.sidecar.sidecar import Sidecar
+from blocktune.tuner.sidecar.assembly import build_sidecar
 from blocktune.tuner.sidecar.sources import MAX_OBSERVATIONS
 
 # The default policy with a KV budget small enough to fill (384 token slots): there the block
@@ -50,7 +50,7 @@ def metrics(url: str) -> dict[str, dict]:
 
 
 def test_observations_decide_recommendation_and_metrics(live_server):
-    sidecar = Sidecar(POLICY)
+    sidecar = build_sidecar(POLICY)
     with live_server(create_sidecar_app(sidecar, token=TOKEN)) as url:
         assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}
         ready = httpx.get(f"{url}/readyz")
@@ -119,7 +119,7 @@ def test_observations_decide_recommendation_and_metrics(live_server):
 
 
 def test_token_size_and_validation_errors(live_server):
-    sidecar = Sidecar(POLICY)
+    sidecar = build_sidecar(POLICY)
     with live_server(create_sidecar_app(sidecar, token=TOKEN)) as url:
         one = [{"prompt_tokens": 10, "output_tokens": 5}]
         assert httpx.post(f"{url}/v1/observations", json=one).status_code == 401
@@ -169,7 +169,7 @@ def test_token_size_and_validation_errors(live_server):
 def test_restart_with_the_state_file_restores_the_window_and_decision(live_server, tmp_path):
     state = tmp_path / "state" / "sidecar.json"
     items = short_requests(250, seed=3)
-    first = Sidecar(POLICY, state_file=state)
+    first = build_sidecar(POLICY, state_file=state)
     with live_server(create_sidecar_app(first)) as url:
         httpx.post(f"{url}/v1/observations", json=items)
         decided = httpx.post(f"{url}/v1/decide").json()
@@ -177,7 +177,7 @@ def test_restart_with_the_state_file_restores_the_window_and_decision(live_serve
     assert saved["current_block_size"] == 16 and len(saved["window"]["prompt_tokens"]) == 250
     assert [p.name for p in state.parent.iterdir()] == ["sidecar.json"]  # no temporary left
 
-    second = Sidecar(POLICY, state_file=state)
+    second = build_sidecar(POLICY, state_file=state)
     with live_server(create_sidecar_app(second)) as url:
         window = httpx.get(f"{url}/v1/window").json()
         assert window["count"] == 250
@@ -196,7 +196,7 @@ def test_a_corrupt_state_file_is_set_aside_and_the_sidecar_starts_fresh(tmp_path
     state = tmp_path / "sidecar.json"
     state.write_text('{"version": 1, "window": [1, 2')
     with caplog.at_level("INFO", logger="blocktune.sidecar"):
-        sidecar = Sidecar(POLICY, state_file=state)
+        sidecar = build_sidecar(POLICY, state_file=state)
     assert len(sidecar.window) == 0 and not state.exists()
     aside = list(tmp_path.glob("sidecar.json.corrupt-*"))
     assert len(aside) == 1 and aside[0].read_text() == '{"version": 1, "window": [1, 2'
@@ -208,5 +208,5 @@ def test_a_corrupt_state_file_is_set_aside_and_the_sidecar_starts_fresh(tmp_path
     sidecar.save_state()
     saved = json.loads(state.read_text())
     state.write_text(json.dumps({**saved, "current_block_size": 12}))
-    assert Sidecar(POLICY, state_file=state).current_block_size == 16
+    assert build_sidecar(POLICY, state_file=state).current_block_size == 16
     assert len(list(tmp_path.glob("sidecar.json.corrupt-*"))) == 2

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from blocktune.tuner.config.policy import load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
-from blocktune.tuner.sidecar.sidecar import Sidecar
+from blocktune.tuner.sidecar.assembly import build_sidecar
 
 POLICY = load_policy(Path(__file__).resolve().parents[3] / "policies" / "default.yaml")
 FIELDS = ["prompt_tokens", "output_tokens", "timestamp", "prefix_group", "extra"]
@@ -44,7 +44,7 @@ origins = st.sampled_from([None, "own", "http://evil.example", "null"])
 
 
 def test_no_input_gets_a_server_error(live_server):
-    sidecar = Sidecar(POLICY)
+    sidecar = build_sidecar(POLICY)
     with live_server(create_sidecar_app(sidecar)) as url, httpx.Client(base_url=url) as client:
 
         @settings(

@@ -284,18 +284,19 @@ def test_worker_command_takes_its_pool_candidates_and_token_env_from_a_policy(tm
     config = config_from_args(parse(["worker", "--policy", str(policy)]))
     # 16 is not a candidate: the policy starts at the candidate nearest to it (8 and 32 tie
     # at a factor of 2; the smaller wins), and the pool is the policy's budget.
-    assert (config.pool.kv_bytes, config.pool.block_size) == (96 * 2**20, 8)
-    assert (config.pool.candidates, config.token_env) == ((8, 32), "MY_WORKER_TOKEN")
+    assert (config.engine.kv_bytes, config.engine.block_size) == (96 * 2**20, 8)
+    assert (config.engine.candidate_block_sizes, config.token_env) == ((8, 32), "MY_WORKER_TOKEN")
     flags = parse(
         ["worker", "--policy", str(policy), "--candidates", "16", "--token-env", "T"]
         + ["--kv-bytes", "1MiB", "--block-size", "16"]
     )
     config = config_from_args(flags)
-    assert (config.pool.kv_bytes, config.pool.block_size) == (2**20, 16)
-    assert (config.pool.candidates, config.token_env) == ((16,), "T")
+    assert (config.engine.kv_bytes, config.engine.block_size) == (2**20, 16)
+    assert (config.engine.candidate_block_sizes, config.token_env) == ((16,), "T")
     bare = config_from_args(parse(["worker"]))
-    assert (bare.pool.kv_bytes, bare.pool.block_size) == (64 * 2**20, 16)
-    assert (bare.pool.candidates, bare.token_env) == ((8, 16, 32, 64, 128), "BLOCKTUNE_TOKEN")
+    assert (bare.engine.kv_bytes, bare.engine.block_size) == (64 * 2**20, 16)
+    assert bare.engine.candidate_block_sizes == (8, 16, 32, 64, 128)
+    assert bare.token_env == "BLOCKTUNE_TOKEN"
     policy.write_text("deployment: x\nbogus: 1\n")
     assert main(["worker", "--policy", str(policy)]) == 2
     assert "bogus" in capsys.readouterr().err
@@ -356,14 +357,19 @@ def test_worker_threads_flag_sets_torch_threads_and_refuses_zero(capsys, monkeyp
         torch.set_num_threads(threads)
 
 
-def test_prefix_caching_flag_reaches_the_engine_config():
+def test_prefix_caching_flags_reach_the_engine_config():
+    """On by default, as vLLM has it, but off where prefills are chunked (the engine cannot
+    combine the two); either flag says so outright."""
     from blocktune.tuner.cli import build_parser
-    from blocktune.tuner.cli._common import engine_config_from_args
+    from blocktune.tuner.cli.worker import config_from_args
 
     parse = build_parser().parse_args
 
-    def config(flags):
-        return engine_config_from_args(parse(flags), block_size=16, candidates=[16], kv_bytes=1)
+    def caching(*flags):
+        return config_from_args(parse(["worker", *flags])).engine.enable_prefix_caching
 
-    on, off = config(["worker", "--enable-prefix-caching"]), config(["worker"])
-    assert (on.enable_prefix_caching, off.enable_prefix_caching) == (True, False)
+    assert caching() and caching("--enable-prefix-caching")
+    assert not caching("--no-enable-prefix-caching")
+    assert not caching("--max-num-batched-tokens", "256")
+    with pytest.raises(ValueError, match="cannot be combined with enable_prefix_caching"):
+        caching("--max-num-batched-tokens", "256", "--enable-prefix-caching")

@@ -17,7 +17,8 @@ from blocktune.tuner.config.policy import ActuatorSettings, WindowSettings, load
 from blocktune.tuner.serving.http import BearerAuth
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.actuators import HttpActuator
-from blocktune.tuner.sidecar.sidecar import Sidecar, SidecarConfigError
+from blocktune.tuner.sidecar.assembly import SidecarConfigError, build_sidecar
+from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.state import StateFile
 
 # The default policy with a KV budget small enough to fill (384 token slots): there the block
@@ -95,7 +96,7 @@ def test_transient_failures_are_retried_and_the_switch_recorded(live_server, mon
     monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
     worker = {"calls": [], "fail": 2, "status": "done", "block_size": 16}
     with live_server(fake_worker(worker)) as worker_url:
-        sidecar = Sidecar(enforcing(worker_url), state_file=tmp_path / "state.json")
+        sidecar = build_sidecar(enforcing(worker_url), state_file=tmp_path / "state.json")
         with live_server(create_sidecar_app(sidecar)) as url:
             httpx.post(f"{url}/v1/observations", json=short_requests(300))
             body = first_decision(url, sidecar)  # made as the window reached min_samples
@@ -126,7 +127,7 @@ def test_a_rejected_swap_is_recorded_and_no_switch_is(live_server, monkeypatch):
     monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
     worker = {"calls": [], "fail": 0, "status": "rejected", "block_size": 16}
     with live_server(fake_worker(worker)) as worker_url:
-        sidecar = Sidecar(enforcing(worker_url))
+        sidecar = build_sidecar(enforcing(worker_url))
         with live_server(create_sidecar_app(sidecar)) as url:
             httpx.post(f"{url}/v1/observations", json=short_requests(300))
             body = first_decision(url, sidecar)
@@ -148,14 +149,14 @@ def test_a_reason_of_megabytes_is_cut_and_the_state_loads_back(live_server, monk
     path = tmp_path / "state.json"
     with live_server(fake_worker(worker)) as worker_url:
         policy = enforcing(worker_url)
-        sidecar = Sidecar(policy, state_file=path)
+        sidecar = build_sidecar(policy, state_file=path)
         sidecar.push(short_requests(400))
         assert sidecar.decide() is not None
         reason = sidecar.last_actuation["reason"]
         assert reason == "r" * 1000 + "… (2999000 more)"
-        assert sidecar.metrics()["state_save_failures"] == 0
+        assert sidecar.stats().state_save_failures == 0
     assert path.stat().st_size <= StateFile.byte_limit(policy)
-    restored = Sidecar(policy, state_file=path)
+    restored = build_sidecar(policy, state_file=path)
     assert len(restored.window) == 400 and restored.last_actuation["reason"] == reason
     assert list(tmp_path.iterdir()) == [path]  # nothing set aside
 
@@ -186,7 +187,7 @@ def test_an_answer_of_another_size_than_asked_is_not_trusted(live_server, monkey
     monkeypatch.setenv("BLOCKTUNE_TEST_WORKER_TOKEN", TOKEN)
     worker = {"calls": [], "fail": 0, "status": "done", "block_size": 16, "answer": answer}
     with live_server(fake_worker(worker)) as worker_url:
-        sidecar = Sidecar(enforcing(worker_url))
+        sidecar = build_sidecar(enforcing(worker_url))
         sidecar.push(short_requests(300))
         decision = sidecar.decide()
         assert decision is not None and decision.switch and decision.block_size == 8
@@ -203,7 +204,7 @@ def test_readiness_follows_the_actuator_and_shows_its_last_swap(live_server, mon
     worker = {"calls": [], "fail": 0, "status": "done", "block_size": 16}
     with contextlib.ExitStack() as stack:
         worker_url = stack.enter_context(live_server(fake_worker(worker)))
-        sidecar = Sidecar(enforcing(worker_url))
+        sidecar = build_sidecar(enforcing(worker_url))
         with live_server(create_sidecar_app(sidecar)) as url:
             ready = httpx.get(f"{url}/readyz")
             assert ready.status_code == 200
@@ -237,7 +238,7 @@ def test_in_process_engine_swaps_when_the_window_shifts():
             "kv_budget": 16 * 2**20,  # 128 slots for requests of 10-18 tokens
         }
     )
-    sidecar = Sidecar(policy, engine=engine)
+    sidecar = build_sidecar(policy, engine=engine)
     assert sidecar.enforcing and sidecar.current_block_size == 16
     rng = np.random.default_rng(0)
     stop = threading.Event()
@@ -262,7 +263,7 @@ def test_in_process_engine_swaps_when_the_window_shifts():
     assert sidecar.last_actuation["target"] == "engine"
     assert sidecar.current_block_size == 8
     assert sidecar.selector.last_switch == decision.decided_at
-    assert sidecar.metrics()["swaps"]["done"] == 1
+    assert sidecar.stats().swaps["done"] == 1
     assert sidecar.statuses["engine"].samples == len(sidecar.window) >= 60
     engine.blocks.check()
 
@@ -270,7 +271,7 @@ def test_in_process_engine_swaps_when_the_window_shifts():
 def test_an_engine_and_an_http_actuator_exclude_each_other():
     settings = ActuatorSettings(kind="http", url="http://127.0.0.1:9")
     with pytest.raises(SidecarConfigError, match="use one of them"):
-        Sidecar(POLICY.model_copy(update={"actuator": settings}), engine=object())
+        build_sidecar(POLICY.model_copy(update={"actuator": settings}), engine=object())
 
 
 def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
@@ -292,7 +293,7 @@ def test_the_sidecar_swaps_a_real_worker(live_server, monkeypatch):
                 loop, model_name="tiny-random", tokenizer=Tokenizer.byte_level(), token=TOKEN
             )
         ) as worker_url:
-            sidecar = Sidecar(enforcing(worker_url))
+            sidecar = build_sidecar(enforcing(worker_url))
             with live_server(create_sidecar_app(sidecar)) as url:
                 httpx.post(f"{url}/v1/observations", json=short_requests(300))
                 body = httpx.post(f"{url}/v1/decide").json()

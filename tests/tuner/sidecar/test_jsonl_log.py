@@ -10,8 +10,8 @@ import pytest
 
 from blocktune.tuner.config.policy import JsonlLogSettings, Sources, load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
+from blocktune.tuner.sidecar.assembly import build_sidecar
 from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
-from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import SourceRunner
 
 POLICY = load_policy(Path(__file__).resolve().parents[3] / "policies" / "default.yaml")
@@ -190,7 +190,7 @@ def test_sidecar_reads_the_log_on_its_schedule(tmp_path, settings, live_server):
     append(log, *(line(12 + n % 9, 6 + n % 13, tenant="shop") for n in range(150)), "oops")
     fast = settings.model_copy(update={"interval": settings.interval / 20})
     policy = POLICY.model_copy(update={"sources": Sources(push=False, jsonl_log=fast)})
-    sidecar = Sidecar(policy, base_dir=tmp_path)
+    sidecar = build_sidecar(policy, base_dir=tmp_path)
     with live_server(create_sidecar_app(sidecar)) as url:
         deadline = time.monotonic() + 15  # the runner polls every 50 ms on its own thread
         while len(sidecar.window) < 150 and time.monotonic() < deadline:

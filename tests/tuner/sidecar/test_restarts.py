@@ -16,6 +16,7 @@ import pytest
 from blocktune.tuner.config.policy import ActuatorSettings, Policy, load_policy
 from blocktune.tuner.operations import free_port
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
+from blocktune.tuner.sidecar.assembly import build_sidecar
 from blocktune.tuner.sidecar.restarts import (
     BACKEND_LINE,
     PLATFORM_LINE,
@@ -25,7 +26,6 @@ from blocktune.tuner.sidecar.restarts import (
     fill_block_size,
     requests_in_flight,
 )
-from blocktune.tuner.sidecar.sidecar import Sidecar
 
 FAKE_VLLM = Path(__file__).resolve().parents[2] / "fake_vllm.py"
 sys.path.insert(0, str(FAKE_VLLM.parent))
@@ -270,7 +270,9 @@ def test_the_sidecar_restarts_its_vllm_and_prices_switches_at_the_measured_resta
 ):
     caplog.set_level(logging.INFO, logger="blocktune.sidecar")
     port = free_port()
-    sidecar = Sidecar(vllm_policy(port, tmp_path=tmp_path), state_file=tmp_path / "state.json")
+    sidecar = build_sidecar(
+        vllm_policy(port, tmp_path=tmp_path), state_file=tmp_path / "state.json"
+    )
     sidecar.start()
     try:
         # The CPU backend priced with the L4 calibration: warned at start, no device named.
@@ -284,14 +286,14 @@ def test_the_sidecar_restarts_its_vllm_and_prices_switches_at_the_measured_resta
         actuation = sidecar.last_actuation
         assert actuation["status"] == "done" and actuation["new_block_size"] == 32
         assert sidecar.current_block_size == 32 and sidecar.actuator.block_size() == 32
-        metrics = sidecar.metrics()
-        assert metrics["restarts_s"] == [actuation["pause_s"]]
+        stats = sidecar.stats()
+        assert list(stats.restarts_s) == [actuation["pause_s"]]
         # Was 60 s; a timedelta holds the measured restart to the microsecond.
-        assert metrics["switch_cost_s"] == pytest.approx(actuation["pause_s"], abs=1e-6)
+        assert stats.switch_cost_s == pytest.approx(actuation["pause_s"], abs=1e-6)
         assert sidecar.selector.last_switch == decision.decided_at
         assert "serving block size 32" in (tmp_path / "vllm.log").read_text()
         # The platform the log names is checked against the calibration, once.
-        assert metrics["engine_mismatches"]["device"] >= 1
+        assert stats.engine_mismatches["device"] >= 1
     finally:
         sidecar.stop()
     saved = json.loads((tmp_path / "state.json").read_text())
@@ -300,36 +302,36 @@ def test_the_sidecar_restarts_its_vllm_and_prices_switches_at_the_measured_resta
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
     # A sidecar started again on the state file pays back the measured restart at once.
-    again = Sidecar(vllm_policy(port, tmp_path=tmp_path), state_file=tmp_path / "state.json")
-    assert again.metrics()["switch_cost_s"] == pytest.approx(actuation["pause_s"], abs=1e-6)
+    again = build_sidecar(vllm_policy(port, tmp_path=tmp_path), state_file=tmp_path / "state.json")
+    assert again.stats().switch_cost_s == pytest.approx(actuation["pause_s"], abs=1e-6)
 
 
 def test_measured_restarts_survive_a_restart_of_the_sidecar(tmp_path):
     policy = vllm_policy(free_port(), tmp_path=tmp_path)
     state = tmp_path / "state.json"
-    first = Sidecar(policy, state_file=state)
-    assert first.metrics()["switch_cost_s"] == 60.0  # the policy's restart before any
+    first = build_sidecar(policy, state_file=state)
+    assert first.stats().switch_cost_s == 60.0  # the policy's restart before any
     for seconds in (80.0, 75.9, 140.0):
         first._measured_restart(seconds)
     first.save_state()
     assert json.loads(state.read_text())["restarts_s"] == [80.0, 75.9, 140.0]
-    second = Sidecar(policy, state_file=state)
-    assert second.metrics()["restarts_s"] == [80.0, 75.9, 140.0]
-    assert second.metrics()["switch_cost_s"] == pytest.approx(80.0)  # their median
+    second = build_sidecar(policy, state_file=state)
+    assert list(second.stats().restarts_s) == [80.0, 75.9, 140.0]
+    assert second.stats().switch_cost_s == pytest.approx(80.0)  # their median
     # A policy whose switches are not restarts does not price them.
     swaps = Policy.model_validate({**policy.model_dump(), "actuator": {"kind": "none"}})
-    assert Sidecar(swaps, state_file=state).metrics()["restarts_s"] == []
+    assert not build_sidecar(swaps, state_file=state).stats().restarts_s
 
 
 def test_a_state_with_a_negative_restart_is_set_aside(tmp_path):
     policy = vllm_policy(free_port(), tmp_path=tmp_path)
     state = tmp_path / "state.json"
-    sidecar = Sidecar(policy, state_file=state)
+    sidecar = build_sidecar(policy, state_file=state)
     sidecar.save_state()
     data = json.loads(state.read_text())
     state.write_text(json.dumps({**data, "restarts_s": [-1.0]}))
-    again = Sidecar(policy, state_file=state)
-    assert again.metrics()["restarts_s"] == []
+    again = build_sidecar(policy, state_file=state)
+    assert not again.stats().restarts_s
     assert again.state_file.set_aside_as is not None
 
 
@@ -338,7 +340,7 @@ def test_a_size_the_server_refuses_rolls_back_once_and_is_then_rejected(tmp_path
     port = free_port()
     # This server's backend takes multiples of 64 only, and names itself FLASH_ATTN.
     extra = ("--multiple", "64", "--platform", "cuda", "--backend", "FLASH_ATTN")
-    sidecar = Sidecar(vllm_policy(port, *extra, tmp_path=tmp_path), state_file=tmp_path / "s")
+    sidecar = build_sidecar(vllm_policy(port, *extra, tmp_path=tmp_path), state_file=tmp_path / "s")
     with live_server(create_sidecar_app(sidecar)) as url:
         httpx.post(f"{url}/v1/observations", json=short_requests(300))
         # The window reached min_samples: the first decision runs at once, on its own.

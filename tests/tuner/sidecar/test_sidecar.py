@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from blocktune.tuner.config.policy import Policy, load_policy
-from blocktune.tuner.sidecar.sidecar import Sidecar
+from blocktune.tuner.sidecar.assembly import build_sidecar
 
 POLICY = load_policy(Path(__file__).resolve().parents[3] / "policies" / "default.yaml")
 
@@ -36,7 +36,7 @@ def mismatches(caplog) -> list[dict]:
 
 def test_a_reported_size_backend_or_platform_at_odds_with_the_policy_is_warned_once(caplog):
     caplog.set_level(logging.INFO, logger="blocktune.sidecar")
-    sidecar = Sidecar(CPU_VLLM)
+    sidecar = build_sidecar(CPU_VLLM)
     source = sidecar.sources[0]
     for _ in range(2):
         source.ingest(metrics_text(16, 0))
@@ -47,14 +47,14 @@ def test_a_reported_size_backend_or_platform_at_odds_with_the_policy_is_warned_o
     assert [(w["kind"], w["value"]) for w in warned] == [("block_size", 16), ("block_size", 256)]
     assert "multiples of 32" in warned[0]["warning"] and "cpu_attn.py" in warned[0]["warning"]
     assert "not among the policy's candidates [32, 64, 128]" in warned[1]["warning"]
-    assert sidecar.metrics()["engine_mismatches"] == {"block_size": 3, "backend": 0, "device": 0}
+    assert sidecar.stats().engine_mismatches == {"block_size": 3, "backend": 0, "device": 0}
     # The server's log names its backend and platform (the vllm_process actuator reads it).
-    sidecar._report_engine("cuda", None)
-    sidecar._report_engine(None, "FLASH_ATTN")
-    sidecar._report_engine(None, "CPU_ATTN")
+    sidecar.report_engine("cuda", None)
+    sidecar.report_engine(None, "FLASH_ATTN")
+    sidecar.report_engine(None, "CPU_ATTN")
     kinds = [(w["kind"], w["value"]) for w in mismatches(caplog)[2:]]
     assert kinds == [("backend", "FLASH_ATTN")]  # cuda and the L4 calibration agree
-    sidecar._report_engine("cpu", None)
+    sidecar.report_engine("cpu", None)
     device = mismatches(caplog)[-1]
     assert device["kind"] == "device" and "cpu (as the engine reports)" in device["warning"]
 
@@ -72,7 +72,7 @@ def observations(count: int) -> list[dict]:
 def test_the_first_decision_comes_at_min_samples_not_an_interval_later():
     """A 5-minute interval: below min_samples nothing is decided; the push that brings the
     window to min_samples starts a decision at once, and the next one is an interval later."""
-    sidecar = Sidecar(POLICY)
+    sidecar = build_sidecar(POLICY)
     sidecar.start()
     try:
         below = POLICY.window.min_samples - 1

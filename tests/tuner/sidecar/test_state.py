@@ -11,6 +11,7 @@ import pytest
 from blocktune.tuner.cli import main
 from blocktune.tuner.config.policy import WindowSettings, load_policy
 from blocktune.tuner.sidecar import state as state_module
+from blocktune.tuner.sidecar.assembly import build_sidecar
 from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import Observations
 from blocktune.tuner.sidecar.state import StateFile, StateFileError, StateTooLarge
@@ -33,7 +34,7 @@ def observe(sidecar: Sidecar, count: int) -> None:
 
 def saved_state(path: Path, count: int = 50) -> dict:
     """Save a sidecar's state of `count` requests at `path`; its JSON."""
-    sidecar = Sidecar(POLICY, state_file=path)
+    sidecar = build_sidecar(POLICY, state_file=path)
     observe(sidecar, count)
     sidecar.save_state()
     return json.loads(path.read_text())
@@ -42,7 +43,7 @@ def saved_state(path: Path, count: int = 50) -> dict:
 def starts_fresh(path: Path, text: str, policy=POLICY) -> Sidecar:
     """Write `text` as the state file and start a sidecar: the file must be set aside."""
     path.write_text(text)
-    sidecar = Sidecar(policy, state_file=path)
+    sidecar = build_sidecar(policy, state_file=path)
     assert len(sidecar.window) == 0 and sidecar.current_block_size == 16
     assert not path.exists() and sidecar.state_file.set_aside_as.read_text() == text
     return sidecar
@@ -110,7 +111,7 @@ def test_an_unreadable_state_path_is_one_clear_error(tmp_path, capsys, where):
         path, expected = tmp_path / "file" / "state.json", "Not a directory"
     message = f"{path}: cannot read the state file: {expected}"
     with pytest.raises(StateFileError, match=re.escape(message)):
-        Sidecar(POLICY, state_file=path)
+        build_sidecar(POLICY, state_file=path)
     assert main(["serve", "--policy", str(DEFAULT), "--state-file", str(path)]) == 2
     error = capsys.readouterr().err
     assert error == f"blocktune serve: {path}: cannot read the state file: {expected}\n"
@@ -125,7 +126,7 @@ def test_a_corrupt_file_that_cannot_be_set_aside_is_one_clear_error(tmp_path, mo
 
     monkeypatch.setattr(state_module.os, "replace", read_only_folder)
     with pytest.raises(StateFileError) as caught:
-        Sidecar(POLICY, state_file=path)
+        build_sidecar(POLICY, state_file=path)
     message = str(caught.value)
     assert message.startswith(f"{path}: the state file is unusable (not valid JSON: ")
     assert "cannot be set aside (Permission denied)" in message
@@ -139,17 +140,17 @@ def test_temporaries_of_an_interrupted_save_are_removed_at_start(tmp_path):
     for temporary in stale:
         temporary.write_bytes(b'{"version": 1, "saved_at"')
     (tmp_path / ".other.json.q1.tmp").write_text("")  # another file's: kept
-    assert len(Sidecar(POLICY, state_file=path).window) == 50
+    assert len(build_sidecar(POLICY, state_file=path).window) == 50
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.json.q1.tmp", "state.json"]
 
 
 def test_the_lifetime_count_survives_a_restart(tmp_path):
     path = tmp_path / "state.json"
-    first = Sidecar(POLICY, state_file=path)
+    first = build_sidecar(POLICY, state_file=path)
     observe(first, 1500)
     observe(first, 300)
     first.save_state()
-    second = Sidecar(POLICY, state_file=path)
+    second = build_sidecar(POLICY, state_file=path)
     stats = second.window_stats()
     assert stats["count"] == 1000 and stats["observed_total"] == 1800
     observe(second, 7)
@@ -158,20 +159,20 @@ def test_the_lifetime_count_survives_a_restart(tmp_path):
 
 def test_failed_saves_are_counted_and_the_sidecar_keeps_deciding(tmp_path):
     path = tmp_path / "folder" / "state.json"
-    sidecar = Sidecar(POLICY, state_file=path)
+    sidecar = build_sidecar(POLICY, state_file=path)
     (tmp_path / "folder").write_text("a file where the state's folder should be")
     observe(sidecar, 300)
     assert sidecar.decide() is not None and sidecar.decide() is not None
-    assert sidecar.metrics()["state_save_failures"] == 2
+    assert sidecar.stats().state_save_failures == 2
     os.remove(tmp_path / "folder")
     sidecar.save_state()
     assert json.loads(path.read_text())["window"]["observed_total"] == 300
-    assert sidecar.metrics()["state_save_failures"] == 2
+    assert sidecar.stats().state_save_failures == 2
 
 
 def test_a_state_too_large_to_load_back_is_not_saved_and_the_last_good_file_stays(tmp_path, caplog):
     path = tmp_path / "state.json"
-    sidecar = Sidecar(POLICY, state_file=path)
+    sidecar = build_sidecar(POLICY, state_file=path)
     observe(sidecar, 400)
     sidecar.save_state()
     good = path.read_bytes()
@@ -181,7 +182,7 @@ def test_a_state_too_large_to_load_back_is_not_saved_and_the_last_good_file_stay
     sidecar._saved_state = lambda: huge  # a state that somehow grew past the limit
     with caplog.at_level("INFO", logger="blocktune.sidecar"):
         sidecar.save_state()
-    assert sidecar.metrics()["state_save_failures"] == 1
+    assert sidecar.stats().state_save_failures == 1
     assert "state_save_failed" in caplog.text and "not saved" in caplog.text
     assert path.read_bytes() == good and sorted(tmp_path.iterdir()) == [path]
-    assert len(Sidecar(POLICY, state_file=path).window) == 400
+    assert len(build_sidecar(POLICY, state_file=path).window) == 400

@@ -13,7 +13,7 @@ from fastapi.responses import PlainTextResponse
 
 from blocktune.tuner.config.policy import Sources, VllmMetricsSettings, load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
-from blocktune.tuner.sidecar.sidecar import Sidecar
+from blocktune.tuner.sidecar.assembly import build_sidecar
 from blocktune.tuner.sidecar.sources import SourceRunner
 from blocktune.tuner.sidecar.vllm_metrics import Histogram, VllmMetricsSource, spread_samples
 
@@ -187,7 +187,7 @@ def test_sidecar_recommends_a_restart_for_vllm(live_server, caplog):
                 "kv_budget": 48 * 2**20,
             }
         )
-        sidecar = Sidecar(policy)
+        sidecar = build_sidecar(policy)
         with live_server(create_sidecar_app(sidecar)) as url:
             assert wait_for(lambda: httpx.get(f"{url}/readyz").status_code == 200)
             with caplog.at_level("INFO", logger="blocktune.sidecar"):
@@ -218,7 +218,7 @@ def test_a_reported_size_that_is_no_block_size_is_counted_and_ignored(live_serve
     holder = {"text": FakeVllm(block_size=reported).text()}
     with live_server(serve_exposition(holder)) as vllm_url:
         settings = VllmMetricsSettings(url=f"{vllm_url}/metrics")
-        sidecar = Sidecar(
+        sidecar = build_sidecar(
             POLICY.model_copy(update={"sources": Sources(push=False, vllm_metrics=settings)})
         )
         SourceRunner.poll(sidecar.sources[0])
@@ -237,7 +237,7 @@ def test_an_unreachable_vllm_is_counted_and_not_ready():
         port = sock.getsockname()[1]
     settings = VllmMetricsSettings(url=f"http://127.0.0.1:{port}/metrics", timeout="1s")
     policy = POLICY.model_copy(update={"sources": Sources(push=False, vllm_metrics=settings)})
-    sidecar = Sidecar(policy)
+    sidecar = build_sidecar(policy)
     source = sidecar.sources[0]
     SourceRunner.poll(source)
     SourceRunner.poll(source)
@@ -245,7 +245,7 @@ def test_an_unreachable_vllm_is_counted_and_not_ready():
     assert status["ready"] is False
     assert status["sources"]["vllm_metrics"]["last_ok"] is False
     assert "ConnectError" in status["sources"]["vllm_metrics"]["last_error"]
-    assert sidecar.metrics()["source_errors"] == {"vllm_metrics": 2}
+    assert sidecar.stats().source_errors == {"vllm_metrics": 2}
     source.close()
 
 
@@ -282,7 +282,7 @@ def test_pointed_at_blocktunes_worker_it_fills_the_window(live_server):
             policy = POLICY.model_copy(
                 update={"sources": Sources(push=False, vllm_metrics=settings)}
             )
-            sidecar = Sidecar(policy)
+            sidecar = build_sidecar(policy)
             source = sidecar.sources[0]
             SourceRunner.poll(source)  # the baseline
             for prompt_ids, max_tokens in (([1] * 3, 4), ([2] * 30, 7), ([3] * 300, 12)):
@@ -308,7 +308,7 @@ def test_requests_that_finish_without_lengths_are_warned_about_and_counted(live_
     holder = {"text": finished.format(5.0)}
     with live_server(serve_exposition(holder)) as vllm_url:
         settings = VllmMetricsSettings(url=f"{vllm_url}/metrics")
-        sidecar = Sidecar(
+        sidecar = build_sidecar(
             POLICY.model_copy(update={"sources": Sources(push=False, vllm_metrics=settings)})
         )
         source = sidecar.sources[0]
@@ -322,5 +322,5 @@ def test_requests_that_finish_without_lengths_are_warned_about_and_counted(live_
     assert [w["event"] for w in warnings] == ["vllm_requests_without_lengths"]
     assert warnings[0]["finished"] == 3
     assert sidecar.statuses["vllm_metrics"].to_dict()["unobserved_polls"] == 1
-    assert sidecar.metrics()["source_unobserved_polls"] == {"vllm_metrics": 1}
+    assert sidecar.stats().source_unobserved_polls == {"vllm_metrics": 1}
     assert len(sidecar.window) == 0
