@@ -5,12 +5,20 @@
 #
 #   bash bench/gpu_check.sh [OUT_DIR] [AZURE_TRACE_CSV]
 #
+# OUT_DIR (default: $OUT, else gpu-check-out in the repository) gets every step's log and the
+# dated result files of bench/gpu_kernels.py and bench/hot_swap.py; AZURE_TRACE_CSV defaults
+# to the Azure conversation trace beside the repository (../shared/traces/azure_llm_2023/).
+#
 # Works from a plain checkout with torch and triton installed (no `pip install` needed):
 # the package is imported through a temporary `blocktune` link to the checkout. A machine
 # without network access that lacks pydantic (needed by `blocktune calibrate`) can be given
 # wheels in `.whl/` at the repository root (pydantic, pydantic-core, annotated-types,
 # typing-inspection for its Python); they are installed into a temporary folder.
 set -uo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+    sed -n '2,/^set /p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 0
+fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-${OUT:-$repo/gpu-check-out}}
 trace=${2:-$repo/../shared/traces/azure_llm_2023/AzureLLMInferenceTrace_conv.csv}
@@ -35,11 +43,11 @@ step() {  # step NAME TIMEOUT COMMAND... : run, log to $out/NAME.log, remember f
 }
 
 step device 30 bash -c "nvidia-smi -L; $py -c 'import torch, triton; print(\"torch\", torch.__version__, \"triton\", triton.__version__, torch.cuda.get_device_name())'"
-step kernel_tests 240 "$py" -m pytest -q -p no:cacheprovider --noconftest "$repo/tests/test_kernels.py"
-step kernels 300 "$py" "$repo/bench/gpu_kernels.py" --out "$out/kernels.csv"
+step kernel_tests 240 "$py" -m pytest -q -p no:cacheprovider --noconftest "$repo/tests/kernels/test_kernels.py"
+step kernels 300 "$py" "$repo/bench/gpu_kernels.py" --csv "$out/kernels.csv" --results "$out"
 if [ -f "$trace" ]; then
-    step hot_swap 240 "$py" "$repo/bench/hot_swap.py" --device cuda --trace "$trace" --sizes-mb 64 256 1024 4096
-    step hot_swap_unaligned 240 "$py" "$repo/bench/hot_swap.py" --device cuda --trace "$trace" --sizes-mb 1024 --align 16
+    step hot_swap 240 "$py" "$repo/bench/hot_swap.py" --device cuda --trace "$trace" --sizes-mb 64 256 1024 4096 --results "$out"
+    step hot_swap_unaligned 240 "$py" "$repo/bench/hot_swap.py" --device cuda --trace "$trace" --sizes-mb 1024 --align 16 --results "$out"
 else
     echo "=== hot_swap skipped: no trace at $trace"
 fi

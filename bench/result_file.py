@@ -73,11 +73,8 @@ class ResultFile:
         preformatted: bool = False,
     ) -> None:
         self.name = Path(script).stem.replace("_", "-")
-        self.command = shorten(
-            shlex.join(
-                ["python", f"bench/{Path(script).name}", *(sys.argv[1:] if argv is None else argv)]
-            )
-        )
+        arguments = sys.argv[1:] if argv is None else argv
+        self.command = shlex.join(["python", f"bench/{Path(script).name}", *arguments])
         self.title = doc.strip().splitlines()[0].rstrip(".")
         self.folder, self.preformatted = folder, preformatted
         self.started = datetime.datetime.now(datetime.timezone.utc)
@@ -90,7 +87,7 @@ class ResultFile:
         self.lines.append(text)
 
     def write(self) -> Path:
-        """Write the file (the folder made where missing); returns its path."""
+        """Write the file (the folder made where missing, paths shortened); returns its path."""
         body = ["```", *self.lines, "```"] if self.preformatted else self.lines
         text = "\n".join(
             [
@@ -107,6 +104,6 @@ class ResultFile:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = new_path(self.folder, self.name, self.started.date())
         with path.open("x", encoding="utf-8") as out:
-            out.write(text)
+            out.write(shorten(text))
         print(f"wrote {shorten(str(path))}")
         return path

@@ -20,13 +20,13 @@ script never picks a size). It sends the same phase again at the size in force, 
 phase of long prompts (about 930 tokens each) and asks the sidecar again. Each phase
 reports requests/s, output tokens/s, goodput (output tokens/s of the requests that met the
 latency SLO) and latency percentiles; every vLLM start loads the model (half a minute to
-several minutes on a small CPU). Prints a Markdown summary; the sidecar's window at each
-decision is saved beside vLLM's log, to replay the decision offline.
+several minutes on a small CPU). Prints a Markdown summary and writes it to a new dated
+result file under `--results`; the sidecar's window at each decision is saved beside vLLM's
+log, to replay the decision offline.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -38,6 +38,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from result_file import ResultFile, bench_parser
 
 from blocktune.tuner.config.calibration import load_calibration
 from blocktune.tuner.config.policy import Policy
@@ -211,11 +212,12 @@ def actuation_line(actuation: dict | None) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__)
     parser.add_argument(
         "--venv",
         type=Path,
         default=Path(os.environ.get("BLOCKTUNE_VLLM_VENV", ROOT / ".venv-vllm")),
+        help="vLLM's environment, `make vllm`'s (or $BLOCKTUNE_VLLM_VENV)",
     )
     parser.add_argument(
         "--calibration",
@@ -227,7 +229,7 @@ def main() -> None:
     parser.add_argument(
         "--initial", type=int, default=128, help="vLLM's first block size (its CPU default)"
     )
-    parser.add_argument("--kv-cache-mib", type=int, default=64)
+    parser.add_argument("--kv-cache-mib", type=int, default=64, help="vLLM's KV cache [MiB]")
     parser.add_argument(
         "--max-model-len",
         type=int,
@@ -235,13 +237,14 @@ def main() -> None:
         help="vLLM refuses a KV cache smaller than one request of this many tokens",
     )
     parser.add_argument("--requests", type=int, default=160, help="short requests per phase")
-    parser.add_argument("--long-requests", type=int, default=8)
-    parser.add_argument("--long-prompt-words", type=int, default=250)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--long-requests", type=int, default=8, help="long prompts, one phase")
+    parser.add_argument("--long-prompt-words", type=int, default=250, help="words a long prompt")
+    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight")
+    parser.add_argument("--max-tokens", type=int, default=24, help="tokens a request")
     parser.add_argument("--slo-ttft", type=float, default=60.0, help="TTFT p99 SLO [s]")
     parser.add_argument("--slo-tpot", type=float, default=3.0, help="TPOT p99 SLO [s]")
     args = parser.parse_args()
+    out = ResultFile(__file__, __doc__, args.results)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     port = free_port()
@@ -325,7 +328,9 @@ def main() -> None:
         ]
     finally:
         sidecar.stop()
-    print("\n".join(lines))
+    for line in lines:
+        out.print(line)
+    out.write()
 
 
 if __name__ == "__main__":

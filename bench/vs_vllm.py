@@ -10,28 +10,25 @@ dtype, so load from elsewhere on the machine falls on both alike. Per run and
 concurrency it prints output tokens/s, TTFT p50/p99, TPOT p50/p99, the server's
 CPU-seconds (all its processes; only for a server it started), output tokens per
 CPU-second, and how many greedy outputs equal the other engine's in the same pair,
-with the load average; `--out` appends the tables to a Markdown file with the date.
+with the load average, and writes the tables to a new dated result file under `--results`.
 
 A server keeps its prefix cache between the concurrencies of a run, and the runs at 8
 and 32 send the questions the earlier ones sent, so their prompts' first blocks are
-cached where prefix caching is on. vLLM has it on by default, the worker only with
-`--enable-prefix-caching`: give both engines the same setting.
+cached where prefix caching is on. vLLM and the worker both have it on by default
+(`--no-enable-prefix-caching` turns it off): give both engines the same setting.
 
     python bench/vs_vllm.py \\
       --vllm ".venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model MODEL_DIR \\
               --dtype {dtype} --block-size 32 --enforce-eager --port {port}" \\
       --worker ".venv/bin/blocktune worker --model smollm2 --dtype {dtype} --block-size 32 \\
-                --kv-bytes 1GiB --enable-prefix-caching --port {port}" \\
-      --out bench/results/vs_vllm.md
+                --kv-bytes 1GiB --enable-prefix-caching --port {port}"
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
-import platform
 import shlex
 import statistics
 import subprocess
@@ -42,6 +39,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import psutil
+from result_file import ResultFile, bench_parser
 
 from blocktune.tuner.operations import free_port, wait_until_ready
 
@@ -291,29 +289,23 @@ def identical(a: Run, b: Run) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = bench_parser(__doc__)
     for name in ("vllm", "worker"):
         group = parser.add_mutually_exclusive_group(required=True)
         group.add_argument(f"--{name}", help=f"the {name} server's command ({{port}}, {{dtype}})")
         group.add_argument(f"--{name}-url", help=f"the URL of a running {name} server")
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="dtypes")
     parser.add_argument(
-        "--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES), help="default: %(default)s"
+        "--concurrency", type=int, nargs="+", default=list(CONCURRENCY), help="most in flight"
     )
-    parser.add_argument(
-        "--concurrency", type=int, nargs="+", default=list(CONCURRENCY), help="default: %(default)s"
-    )
-    parser.add_argument("--pairs", type=int, default=2, help="runs per engine and dtype (2)")
-    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency (32)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="default: %(default)s")
-    parser.add_argument("--out", help="append the tables to this Markdown file")
+    parser.add_argument("--pairs", type=int, default=2, help="runs per engine and dtype")
+    parser.add_argument("--requests", type=int, default=32, help="requests per concurrency")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens a request")
     args = parser.parse_args()
     if (args.vllm_url or args.worker_url) and len(args.dtypes) > 1:
         parser.error("a server given by URL serves one dtype: give --dtypes with one value")
+    out = ResultFile(__file__, __doc__, args.results)
     engines = [("vLLM", args.vllm, args.vllm_url), ("worker", args.worker, args.worker_url)]
-    started = datetime.datetime.now(datetime.timezone.utc)
-    print(f"{started:%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs")
     print(HEADER)
     lines = []
     for dtype in args.dtypes:
@@ -324,14 +316,10 @@ def main() -> int:
                 same = identical(vllm, worker)
                 lines += [row(vllm, same), row(worker, same), ratio_row(worker, vllm)]
             print("\n".join(lines[-3 * len(args.concurrency) :]), flush=True)
-    if args.out:
-        with open(args.out, "a") as out:
-            out.write(
-                f"\n## {started:%Y-%m-%d %H:%M} UTC\n\n{os.cpu_count()} CPUs, load average "
-                f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} at the end.\n\n"
-                f"    python bench/vs_vllm.py {shlex.join(sys.argv[1:])}\n\n"
-                f"{HEADER}\n" + "\n".join(lines) + "\n"
-            )
+    out.print(HEADER)
+    for line in lines:
+        out.print(line)
+    out.write()
     return 0
 
 

@@ -45,8 +45,8 @@ MIN_PRODUCT_ROWS = 3
 its weights streamed from memory (a decode step), oneDNN's kernels for one and two rows read
 them slower than its kernel for three: on an AVX-512 EPYC, one thread, 30 [3072, 576]
 float32 weights took 531 / 635 us each for 1 / 2 rows and 478 us for 3, and a SmolLM2
-decode step of two requests 51 ms where one of three took 40 (bench/decode_batch_sizes.py,
-bench/results/engine_speed.md)."""
+decode step of two requests 51 ms where one of three took 40
+(bench/results/engine_speed.md)."""
 
 STREAMED_WEIGHT_BYTES = 512 * 2**10
 """The smallest weight whose products are padded to `MIN_PRODUCT_ROWS`: a model of weights
