@@ -7,10 +7,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from blocktune.tuner.config.policy import load_policy
-from blocktune.tuner.serving.sidecar_app import create_sidecar_app
+from blocktune.tuner.serving.sidecar_app import create_sidecar_app, router
 from blocktune.tuner.sidecar.assembly import build_sidecar
 from blocktune.tuner.sidecar.sources import MAX_OBSERVATIONS
 
@@ -116,6 +118,18 @@ def test_observations_decide_recommendation_and_metrics(live_server):
         )
         request_body = schema["paths"]["/v1/observations"]["post"]["requestBody"]
         assert "anyOf" in request_body["content"]["application/json"]["schema"]
+
+
+def test_the_routes_serve_the_sidecar_of_whichever_app_includes_them():
+    app = FastAPI()  # no guards and no lifespan: the routes alone
+    app.state.sidecar = build_sidecar(POLICY)
+    app.include_router(router)
+    with TestClient(app) as client:
+        assert client.get("/healthz").json() == {"status": "ok"}
+        assert client.get("/v1/window").json()["capacity"] == 1000
+        recommendation = client.get("/v1/recommendation").json()
+        assert recommendation["reason"] == "no decision yet"
+        assert recommendation["current_block_size"] == 16
 
 
 def test_token_size_and_validation_errors(live_server):
