@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts an interpreter that imports transformers
+
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = "import transformers.modeling_utils; from transformers import LlamaForCausalLM"
 """Imports that reach transformers' `integrations.hub_kernels`, which imports `kernels`."""
