@@ -12,8 +12,8 @@ import pytest
 
 from blocktune.tuner.measure.vllm_server import vllm_server_argv
 from blocktune.tuner.operations import free_port
-from blocktune.tuner.sidecar.restarts import VllmProcessActuator
 from blocktune.tuner.sidecar.vllm_metrics import parse_exposition
+from blocktune.tuner.sidecar.vllm_process import VllmProcessActuator
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = ROOT / os.environ.get("BLOCKTUNE_VLLM_VENV", ".venv-vllm")

@@ -1,5 +1,5 @@
 """Applying a switch: a blocktune worker over HTTP, or an engine in the same process
-(restarts of vLLM or a user's command are in `restarts`).
+(restarts of vLLM or a user's command are in `vllm_process` and `command_actuator`).
 
 An actuator's `apply(new, old)` never raises: it returns an `Actuation`, the
 worker's `SwapResult` (status `done`, `rejected` or `rolled_back`) with the
@@ -58,7 +58,7 @@ class Actuation(SwapResult):
 
 class Actuator(Protocol):
     """What the sidecar asks of an actuator: these here and the restarting ones of
-    `restarts`."""
+    `vllm_process` and `command_actuator`."""
 
     @property
     def target(self) -> str:

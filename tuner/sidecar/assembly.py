@@ -23,12 +23,13 @@ from blocktune.tuner.config.engine_settings import engine_settings
 from blocktune.tuner.config.policy import ActuatorSettings, Policy
 from blocktune.tuner.operations import token_from_env
 from blocktune.tuner.sidecar.actuators import Actuator, EngineActuator, HttpActuator
+from blocktune.tuner.sidecar.command_actuator import CommandActuator
 from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
-from blocktune.tuner.sidecar.restarts import CommandActuator, VllmProcessActuator
 from blocktune.tuner.sidecar.sidecar import Sidecar
 from blocktune.tuner.sidecar.sources import Observations, PollingSource
 from blocktune.tuner.sidecar.state import StateFile
 from blocktune.tuner.sidecar.vllm_metrics import VllmMetricsSource
+from blocktune.tuner.sidecar.vllm_process import VllmProcessActuator
 
 if TYPE_CHECKING:
     from blocktune.runtime.engine import Engine

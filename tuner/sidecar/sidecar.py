@@ -8,10 +8,10 @@ every policy interval: the selector decides against the block size the sidecar
 knows to be in force (the engine's, the worker's, vLLM's `cache_config_info`);
 in `mode: enforce` an actuator (a blocktune worker over HTTP, the in-process
 engine, a vLLM server run as a child and restarted with the new size, or a
-user's command; see `restarts`) applies a switch, and the selector records the switch (`min_dwell`
-starts) only once the swap is done. Without an
-actuator, or in `mode: recommend`, a switch is a recommendation ("restart vLLM
-with --block-size 8"), logged once per change. After every decision and at
+user's command; see `vllm_process` and `command_actuator`) applies a switch,
+and the selector records the switch (`min_dwell` starts) only once the swap is
+done. Without an actuator, or in `mode: recommend`, a switch is a
+recommendation ("restart vLLM with --block-size 8"), logged once per change. After every decision and at
 shutdown the window and the decision are saved to the state file, and restored
 at the next start.
 

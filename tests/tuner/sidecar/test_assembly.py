@@ -15,8 +15,8 @@ from blocktune.tuner.config.policy import (
 )
 from blocktune.tuner.sidecar.actuators import HttpActuator
 from blocktune.tuner.sidecar.assembly import ACTUATORS, SOURCES, build_sidecar
+from blocktune.tuner.sidecar.command_actuator import CommandActuator
 from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
-from blocktune.tuner.sidecar.restarts import CommandActuator
 from blocktune.tuner.sidecar.vllm_metrics import VllmMetricsSource
 
 POLICY = load_policy(Path(__file__).resolve().parents[3] / "policies" / "default.yaml")

@@ -14,18 +14,13 @@ import numpy as np
 import pytest
 
 from blocktune.tuner.config.policy import ActuatorSettings, Policy, load_policy
+from blocktune.tuner.config.vllm_backends import BACKEND_LINE, PLATFORM_LINE
 from blocktune.tuner.operations import free_port
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.assembly import build_sidecar
-from blocktune.tuner.sidecar.restarts import (
-    BACKEND_LINE,
-    PLATFORM_LINE,
-    CommandActuator,
-    VllmProcessActuator,
-    _reason_from,
-    fill_block_size,
-    requests_in_flight,
-)
+from blocktune.tuner.sidecar.command_actuator import CommandActuator
+from blocktune.tuner.sidecar.restarts import fill_block_size, reason_from, requests_in_flight
+from blocktune.tuner.sidecar.vllm_process import VllmProcessActuator
 
 FAKE_VLLM = Path(__file__).resolve().parents[2] / "fake_vllm.py"
 sys.path.insert(0, str(FAKE_VLLM.parent))
@@ -89,10 +84,10 @@ def test_the_command_gets_the_block_size_and_in_flight_requests_are_counted():
         "for 16 (CPU_ATTN: [MultipleOf(32)]).",
         "RuntimeError: Engine core initialization failed. See root cause above.",
     ]
-    assert _reason_from("exited with code 1", output) == (
+    assert reason_from("exited with code 1", output) == (
         "exited with code 1: ValueError: No common block size for 16 (CPU_ATTN: [MultipleOf(32)])."
     )
-    assert _reason_from("gone", ["bye"]) == "gone; its last output: bye"
+    assert reason_from("gone", ["bye"]) == "gone; its last output: bye"
     assert BACKEND_LINE.search("INFO Using FLASH_ATTN attention backend out of").group(1) == (
         "FLASH_ATTN"
     )
