@@ -4,16 +4,26 @@
 the server's `url` is known, waits for `/health`; a non-zero exit, a timeout or
 no health means running it again with the old size: the switch is
 `rolled_back`, and the size is remembered as refused.
+
+The script runs in its own process group and is judged by its exit status: a
+background child it leaves (a server it started) neither delays nor fails it,
+since its output goes to a temporary file, not a pipe someone else may hold.
+On a timeout the whole group is stopped (SIGTERM, then SIGKILL after
+`KILL_GRACE_S`), so no rollout carries on beside the rollback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from typing import IO
 
 import httpx
 
@@ -22,9 +32,14 @@ from blocktune.tuner.sidecar.actuators import STATE_TIMEOUT_S, Actuation
 from blocktune.tuner.sidecar.restarts import HEALTH_POLL_S, fill_block_size, reason_from
 from blocktune.tuner.sidecar.vllm_metrics import parse_exposition
 
-__all__ = ["CommandActuator"]
+__all__ = ["KILL_GRACE_S", "CommandActuator"]
 
 log = logging.getLogger("blocktune.sidecar")
+
+KILL_GRACE_S = 5.0
+"""How long a timed-out script's group has after SIGTERM before SIGKILL."""
+OUTPUT_TAIL_BYTES = 64 * 1024
+"""How much of a failed script's output its reason is read from (the end)."""
 
 
 class CommandActuator:
@@ -91,23 +106,24 @@ class CommandActuator:
 
     def _run(self, block_size: int) -> str | None:
         argv = fill_block_size(self.command, block_size)
-        try:
-            done = subprocess.run(
-                argv,
-                capture_output=True,
-                text=True,
-                errors="replace",
-                timeout=self.timeout_s,
-                stdin=subprocess.DEVNULL,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            return f"{argv[0]} did not finish within {self.timeout_s:g} s"
-        except OSError as error:
-            return f"cannot run {argv[0]}: {error.strerror or error}"
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()
-            return reason_from(f"{argv[0]} exited with code {done.returncode}", tail)
+        with tempfile.TemporaryFile() as output:
+            try:
+                child = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            except OSError as error:
+                return f"cannot run {argv[0]}: {error.strerror or error}"
+            try:
+                code = child.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                stop_group(child)
+                return f"{argv[0]} did not finish within {self.timeout_s:g} s"
+            if code != 0:
+                return reason_from(f"{argv[0]} exited with code {code}", output_tail(output))
         return None if self.url is None else self._wait_for_health()
 
     def _wait_for_health(self) -> str | None:
@@ -135,3 +151,22 @@ class CommandActuator:
 
     def close(self) -> None:
         self._client.close()
+
+
+def stop_group(child: subprocess.Popen) -> None:
+    """Stop the child's process group: SIGTERM, then SIGKILL to whatever is left of it once
+    the child has exited or `KILL_GRACE_S` has passed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=KILL_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+
+
+def output_tail(output: IO[bytes]) -> list[str]:
+    """The last lines of a script's output file (at most `OUTPUT_TAIL_BYTES`)."""
+    size = output.seek(0, os.SEEK_END)
+    output.seek(max(0, size - OUTPUT_TAIL_BYTES))
+    return output.read().decode(errors="replace").strip().splitlines()
