@@ -8,7 +8,9 @@ file stays. The temporaries a crash leaves behind are removed at the next
 load. `load` reads it back and checks it against the policy: a file that is not standard JSON,
 not a valid state, larger than a window of the policy's capacity can be, or
 that does not fit the policy (another deployment, a block size that is not
-one of its candidates, more rows than the window holds) is reported (a log
+one of its candidates, more rows than the window holds, a restart longer than
+any duration a policy accepts, a switch or a save later than now by more than
+`MAX_CLOCK_SKEW_S`) is reported (a log
 line naming the file and the problem) and set aside as
 `FILE.corrupt-<UTC timestamp>`, and the sidecar starts fresh. A state file
 that cannot be read at all (a folder, a FIFO or another file that is not a
@@ -26,6 +28,7 @@ import os
 import stat
 import tempfile
 import threading
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Literal
@@ -42,10 +45,11 @@ from pydantic import (
 from blocktune.traces.schema import MAX_TOKENS
 from blocktune.tuner.config.config_files import format_location
 from blocktune.tuner.config.jsonable import from_json
-from blocktune.tuner.config.policy import BlockSize, Policy
+from blocktune.tuner.config.policy import MAX_DURATION, BlockSize, Policy
 from blocktune.tuner.operations import log_event
 
 __all__ = [
+    "MAX_CLOCK_SKEW_S",
     "STATE_VERSION",
     "SavedState",
     "SavedWindow",
@@ -59,6 +63,9 @@ BYTES_PER_ROW = 128  # a window row as JSON is at most about 70 bytes
 BYTES_BESIDE_ROWS = 1 << 20  # the last decision and the envelope
 RESTARTS_SAVED = 100
 """The most measured restarts a state file may hold (the sidecar keeps fewer)."""
+MAX_CLOCK_SKEW_S = 60.0
+"""How far a saved time may be ahead of this clock (another host's, a corrected clock);
+later is a state the sidecar cannot use: a switch in the future would freeze switching."""
 log = logging.getLogger("blocktune.sidecar")
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
@@ -111,7 +118,7 @@ class SavedState(_Frozen):
 
     Validated with ``context={"policy": policy}``, the state must also fit that
     policy: the same deployment, block sizes among its candidates, and no more rows
-    than its window holds.
+    than its window holds; and this clock: no save or switch in the future.
     """
 
     version: Literal[1] = STATE_VERSION
@@ -123,9 +130,9 @@ class SavedState(_Frozen):
     window: SavedWindow
     recommendation: dict | None = None
     actuation: dict | None = None
-    restarts_s: list[Annotated[float, Field(ge=0, allow_inf_nan=False)]] = Field(
-        default=[], max_length=RESTARTS_SAVED
-    )
+    restarts_s: list[
+        Annotated[float, Field(ge=0, le=MAX_DURATION.total_seconds(), allow_inf_nan=False)]
+    ] = Field(default=[], max_length=RESTARTS_SAVED)
     """The last measured engine restarts (stop to healthy) [s], oldest first."""
 
     @model_validator(mode="after")
@@ -147,6 +154,14 @@ class SavedState(_Frozen):
         rows, capacity = len(self.window.timestamps), policy.window.capacity
         if rows > capacity:
             raise ValueError(f"the window holds {rows} rows, more than its capacity {capacity}")
+        latest = time.time() + MAX_CLOCK_SKEW_S
+        for name in ("saved_at", "last_switch_at"):
+            at = getattr(self, name)
+            if at is not None and at > latest:
+                raise ValueError(
+                    f"the state's {name} {at:.0f} is {at - time.time():.0f} s in the future "
+                    f"(more than the {MAX_CLOCK_SKEW_S:g} s a clock may be off)"
+                )
         return self
 
 
