@@ -5,8 +5,11 @@
 the helpers both include (`cpu_math.h`), are compiled together with the machine's C
 compiler (`$CC`, else `cc`; optimised for this CPU, with OpenMP where the compiler has it)
 into a per-user cache, once per source, compiler and CPU, and loaded once per process.
-`cpu_library()` is the loaded library, or a string saying why there is none;
-`cpu_kernel_error()` just that reason (None where it loads).
+A cached library that does not load (empty, or cut short by a crash) is rebuilt once;
+a library is written whole to disk (fsync) before it is renamed into the cache.
+`cpu_library()` is the loaded library, or a string saying why there is none (logged once
+per process: the torch operators serve instead); `cpu_kernel_error()` just that reason
+(None where it loads).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -31,6 +35,7 @@ HEADERS = (HERE / "cpu_math.h",)
 OPTIMISE = ("-O3", "-march=native", "-ffp-contract=off", "-shared", "-fPIC")
 OPENMP = "-fopenmp"
 BUILD_TIMEOUT_S = 120
+log = logging.getLogger("blocktune.kernels")
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -88,6 +93,8 @@ def build(compiler: list[str], target: Path, sources: tuple[Path, ...] = SOURCES
             except (OSError, subprocess.TimeoutExpired) as failure:
                 return f"{shlex.join(command)}: {failure}"
             if run.returncode == 0:
+                with built.open("rb") as written:
+                    os.fsync(written.fileno())  # whole on disk before the rename publishes it
                 os.replace(built, target)  # atomic: concurrent builds leave one whole file
                 return None
             message = f"{shlex.join(command)} failed: {run.stderr.strip()[-400:]}"
@@ -104,12 +111,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     return library
 
 
-@functools.cache
-def cpu_library() -> ctypes.CDLL | str:
-    """The loaded kernel library, or why there is none (built once per process)."""
-    compiler = _compiler()
-    if compiler is None:
-        return "no C compiler found ($CC or cc)"
+def library_path(compiler: list[str]) -> Path:
+    """Where the library built by `compiler` from the current sources for this CPU is
+    cached."""
     version = subprocess.run(
         [*compiler, "--version"], capture_output=True, text=True, check=False
     ).stdout
@@ -117,15 +121,39 @@ def cpu_library() -> ctypes.CDLL | str:
     key = hashlib.sha256(
         "\n".join((*texts, shlex.join((*compiler, *OPTIMISE)), version, _cpu_signature())).encode()
     ).hexdigest()[:16]
-    target = kernel_cache_dir() / f"cpu_kernels-{key}.so"
-    if not target.exists():
+    return kernel_cache_dir() / f"cpu_kernels-{key}.so"
+
+
+@functools.cache
+def cpu_library() -> ctypes.CDLL | str:
+    """The loaded kernel library, or why there is none (built once per process; a cached
+    one that does not load is rebuilt once)."""
+    compiler = _compiler()
+    if compiler is None:
+        return _unavailable("no C compiler found ($CC or cc)")
+    target = library_path(compiler)
+    broken = None
+    if target.exists():
         try:
-            failure = build(compiler, target)
-        except OSError as error:
-            failure = f"cannot write {target.parent}: {error}"
-        if failure:
-            return failure
-    return open_library(target)
+            return open_library(target)
+        except (OSError, AttributeError) as error:
+            broken = f"the cached {target} does not load ({error})"
+            log.warning("%s: rebuilding it", broken)
+    try:
+        failure = build(compiler, target)
+    except OSError as error:
+        failure = f"cannot write {target.parent}: {error}"
+    if failure is None:
+        try:
+            return open_library(target)
+        except (OSError, AttributeError) as error:
+            failure = f"the built {target} does not load ({error})"
+    return _unavailable(failure if broken is None else f"{broken}; rebuilding it failed: {failure}")
+
+
+def _unavailable(reason: str) -> str:
+    log.warning("the CPU kernels are unavailable, torch's operators serve instead: %s", reason)
+    return reason
 
 
 def cpu_kernel_error() -> str | None:
