@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 
 from blocktune.runtime.defaults import DEFAULT_GATHER_S, GATHER_LIMIT_S
 from blocktune.tuner.cli.arguments import non_negative_float
@@ -17,6 +18,8 @@ from blocktune.tuner.cli.measure_args import set_threads
 from blocktune.tuner.config.defaults import DEFAULT_TOKEN_ENV
 
 __all__ = ["register"]
+
+READY_POLL_S = 0.05  # how often the worker tries its own address until it answers
 
 
 def parse_bytes(text: str) -> int:
@@ -76,30 +79,61 @@ def run_worker(args: argparse.Namespace) -> int:
         return 2
     if args.huge_pages and loaded.model.device.type == "cpu":
         _use_huge_pages(engine)
-    logging.getLogger("blocktune.worker").info(
-        "serving %s: at most %d tokens a request (max_model_len %d, a KV pool of %d tokens)",
-        args.served_model_name or args.model,
-        engine.max_request_tokens,
-        engine.config.max_model_len,
-        engine.kv.num_slots,
-    )
     loop = EngineLoop(engine, gather_s=args.gather_ms / 1000)
     pusher = None
     if args.sidecar:
         pusher = LengthPusher(args.sidecar, token_from_env(args.sidecar_token_env))
         engine.add_listener(pusher.observe)
         pusher.start()
-    serve_worker(
-        loop,
-        model_name=args.served_model_name or args.model,
-        tokenizer=loaded.tokenizer,
-        host=args.host,
-        port=args.port,
-        token=token,
-        pusher=pusher,
-        server=config.server,
-    )
+    stopped = threading.Event()
+    _announce_when_listening(args.host, args.port, _ready_line(args, engine), stopped)
+    try:
+        serve_worker(
+            loop,
+            model_name=args.served_model_name or args.model,
+            tokenizer=loaded.tokenizer,
+            host=args.host,
+            port=args.port,
+            token=token,
+            pusher=pusher,
+            server=config.server,
+        )
+    finally:
+        stopped.set()
     return 0
+
+
+def _ready_line(args: argparse.Namespace, engine) -> str:
+    """The line that tells an operator the worker serves: where, what and its limits."""
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    return (
+        f"blocktune worker ready: http://{host}:{args.port} (model "
+        f"{args.served_model_name or args.model}, block size {engine.block_size}, at most "
+        f"{engine.max_request_tokens} tokens a request: max_model_len "
+        f"{engine.config.max_model_len}, a KV pool of {engine.kv.num_slots} tokens)"
+    )
+
+
+def _announce_when_listening(
+    host: str, port: int, line: str, stopped: threading.Event
+) -> threading.Thread:
+    """Log `line` once `host:port` accepts a connection (uvicorn listens only once it can
+    answer), unless `stopped` is set first."""
+    import logging
+    import socket
+
+    def announce() -> None:
+        while not stopped.wait(READY_POLL_S):
+            try:
+                socket.create_connection((host, port), timeout=READY_POLL_S).close()
+            except OSError:
+                continue
+            logging.getLogger("blocktune.worker").info(line)
+            return
+
+    thread = threading.Thread(target=announce, name="ready-announcer", daemon=True)
+    thread.start()
+    return thread
 
 
 def _use_huge_pages(engine) -> None:

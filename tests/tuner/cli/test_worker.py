@@ -1,0 +1,52 @@
+"""`blocktune worker` as a newcomer meets it: the line that says it serves, and its refusals
+of a pool, a model or a port it cannot use."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from blocktune.tuner.operations import free_port
+
+WORKER = [sys.executable, "-m", "blocktune.tuner.cli", "worker", "--model", "tiny-random"]
+SMALL = ["--kv-bytes", "1MiB", "--backend", "torch", "--no-huge-pages", "--threads", "1"]
+
+
+def read_lines_until(process: subprocess.Popen, text: str, timeout_s: float) -> list[str]:
+    """The stderr lines of `process` up to the first holding `text` (all of them if it exits
+    or `timeout_s` passes first)."""
+    lines: list[str] = []
+
+    def read():
+        for line in process.stderr:
+            lines.append(line)
+            if text in line:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    return lines
+
+
+@pytest.mark.slow
+def test_the_worker_says_where_it_serves_once_it_answers():
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [*WORKER, *SMALL, "--port", str(port)]
+    process = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = read_lines_until(process, "ready", timeout_s=120)
+        ready = lines[-1] if lines else ""
+        # Asked at once, as a script that waits for the line does.
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=30)
+    assert ready.startswith(f"blocktune worker ready: http://127.0.0.1:{port} "), lines
+    assert "model tiny-random, block size 16" in ready
+    assert health == 200
