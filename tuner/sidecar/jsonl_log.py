@@ -20,7 +20,10 @@ the rest waits for the next one). It survives
 A line that is not standard JSON (see `from_json`: NaN, lone surrogates and
 deep nesting are refused), not an object, or whose fields are missing or
 invalid is skipped and counted as a source error, and the other lines of the
-poll are observed; a partial last line waits for its newline.
+poll are observed; a partial last line waits for its newline. A line over
+`MAX_LINE_BYTES` is skipped unread and counted (`oversized_lines` in the
+source's status, and a source error): the follower drops its bytes as they come
+and reads on from the next newline, so it never holds more of a line than that.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ from blocktune.tuner.config.jsonable import from_json
 from blocktune.tuner.config.policy import JsonlLogSettings
 from blocktune.tuner.sidecar.sources import Observation, Observations, PollingSource, Sink
 
-__all__ = ["JsonlLogFollower"]
+__all__ = ["MAX_LINE_BYTES", "JsonlLogFollower"]
 
 MAX_BYTES_PER_POLL = 8 << 20
+MAX_LINE_BYTES = 1 << 20
+"""The longest line the follower holds and reads; a longer one is skipped and counted."""
 FINGERPRINT_BYTES = 256
 
 
@@ -83,6 +88,7 @@ class JsonlLogFollower(PollingSource):
         self._max_bytes = max_bytes
         self._file = None
         self._partial = b""
+        self._skipping = False  # inside a line over MAX_LINE_BYTES: dropped to its newline
         self._fingerprint = b""  # the file's first and last bytes as read (_fingerprint_now)
         self.bad_lines = 0
         self.rotations = 0
@@ -94,7 +100,7 @@ class JsonlLogFollower(PollingSource):
         self._file = open(self.path, "rb")  # noqa: SIM115 - held open across polls
         if at_end:
             self._file.seek(0, os.SEEK_END)
-        self._partial = b""
+        self._partial, self._skipping = b"", False
         self._fingerprint = self._fingerprint_now()
 
     def _fingerprint_now(self) -> bytes:
@@ -129,6 +135,7 @@ class JsonlLogFollower(PollingSource):
             self.truncations += 1
             self._file.seek(0)
             self._partial = self._fingerprint = b""
+            self._skipping = False
         drained = self._read(lines)
         if not same_file and drained:
             if self._partial:
@@ -141,13 +148,29 @@ class JsonlLogFollower(PollingSource):
         return self._deliver(lines)
 
     def _read(self, lines: list[bytes]) -> bool:
-        """Append the complete new lines to `lines`; True when the file was read to its end."""
+        """Append the complete new lines to `lines` (those over `MAX_LINE_BYTES` skipped and
+        counted); True when the file was read to its end."""
         chunk = self._file.read(self._max_bytes)
         self._fingerprint = self._fingerprint_now()
-        data = self._partial + chunk
-        *complete, self._partial = data.split(b"\n")
-        lines.extend(complete)
+        pieces = chunk.split(b"\n")
+        pieces[0] = b"" if self._skipping else self._partial + pieces[0]
+        self._skipping = self._skipping and len(pieces) == 1
+        *complete, self._partial = pieces
+        for line in complete:
+            if len(line) > MAX_LINE_BYTES:
+                self._skip_oversized()
+            else:
+                lines.append(line)
+        if len(self._partial) > MAX_LINE_BYTES:
+            self._partial, self._skipping = b"", True
+            self._skip_oversized()
         return len(chunk) < self._max_bytes
+
+    def _skip_oversized(self) -> None:
+        self.status.oversized(
+            f"{self.path}: a line over {MAX_LINE_BYTES} bytes was skipped "
+            f"({self.status.oversized_lines + 1} so far)"
+        )
 
     def _deliver(self, lines: list[bytes]) -> int:
         now = self._clock()

@@ -154,7 +154,8 @@ def _json_kind(value: object) -> str:
 
 
 class SourceStatus:
-    """Thread-safe counters of one source: polls, failures, bad items, samples, last outcome."""
+    """Thread-safe counters of one source: polls, failures, bad items (the oversized among
+    them apart too), samples, last outcome."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -163,6 +164,7 @@ class SourceStatus:
         self.errors = 0
         self.samples = 0
         self.unobserved_polls = 0
+        self.oversized_lines = 0
         self.last_ok: bool | None = None
         self.last_error: str | None = None
         self.last_poll_at: float | None = None
@@ -188,6 +190,13 @@ class SourceStatus:
             self.errors += count
             self.last_error = error
 
+    def oversized(self, error: str) -> None:
+        """A line over the bytes a source reads, skipped unread (a bad item)."""
+        with self._lock:
+            self.errors += 1
+            self.oversized_lines += 1
+            self.last_error = error
+
     def unobserved(self) -> None:
         """A poll that saw requests finish on the server but yielded no observation."""
         with self._lock:
@@ -201,6 +210,7 @@ class SourceStatus:
                 "errors": self.errors,
                 "samples": self.samples,
                 "unobserved_polls": self.unobserved_polls,
+                "oversized_lines": self.oversized_lines,
                 "last_ok": self.last_ok,
                 "last_error": self.last_error,
                 "last_poll_at": self.last_poll_at,

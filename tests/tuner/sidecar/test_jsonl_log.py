@@ -11,7 +11,7 @@ import pytest
 from blocktune.tuner.config.policy import JsonlLogSettings, Sources, load_policy
 from blocktune.tuner.serving.sidecar_app import create_sidecar_app
 from blocktune.tuner.sidecar.assembly import build_sidecar
-from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
+from blocktune.tuner.sidecar.jsonl_log import MAX_LINE_BYTES, JsonlLogFollower
 from blocktune.tuner.sidecar.sources import SourceRunner
 
 POLICY = load_policy(Path(__file__).resolve().parents[3] / "policies" / "default.yaml")
@@ -201,3 +201,32 @@ def test_sidecar_reads_the_log_on_its_schedule(tmp_path, settings, live_server):
     assert window["count"] == 150
     assert ready["ready"] is True and ready["sources"]["jsonl_log"]["samples"] == 150
     assert 'blocktune_source_errors_total{source="jsonl_log"} 1.0' in errors
+
+
+def test_a_line_over_the_bound_is_skipped_and_counted_without_being_held(tmp_path, settings):
+    log = tmp_path / "requests.jsonl"
+    log.write_bytes(b"x" * (5 * MAX_LINE_BYTES))  # several MB and no newline yet
+    sink = Received()
+    follower = JsonlLogFollower(settings, sink, base=tmp_path, max_bytes=MAX_LINE_BYTES // 2)
+    held = []
+    for _ in range(12):
+        assert follower.poll() == 0
+        held.append(len(follower._partial))
+    append(log, "the over-long line's end", line(7, 3))
+    assert follower.poll() == 1 and sink.lengths() == [(7, 3)]
+    assert max(held) <= MAX_LINE_BYTES
+    status = follower.status.to_dict()
+    assert status["oversized_lines"] == 1 and status["errors"] == 1
+    assert f"over {MAX_LINE_BYTES} bytes" in status["last_error"]
+    follower.close()
+
+
+def test_a_whole_over_long_line_in_one_read_is_skipped(tmp_path, settings):
+    log = tmp_path / "requests.jsonl"
+    append(log, line(5, 2), "y" * (3 * MAX_LINE_BYTES), line(7, 3), "z" * MAX_LINE_BYTES)
+    sink = Received()
+    follower = JsonlLogFollower(settings, sink, base=tmp_path)
+    assert follower.poll() == 2 and sink.lengths() == [(5, 2), (7, 3)]
+    assert follower.status.to_dict()["oversized_lines"] == 1  # a line of the bound is read
+    assert follower.bad_lines == 1  # and is no JSON
+    follower.close()
