@@ -6,7 +6,9 @@ the block-size swaps asked for since the last one, schedules (grow the
 decodes, chunk the prefills), runs the batch through the model, and takes the
 sampled tokens: each is appended to its request, a request that meets a stop
 token, its `max_tokens` or `max_model_len` finishes, and the step returns each
-request's new tokens as `RequestOutput`s.
+request's new tokens as `RequestOutput`s. A request whose sampling or update
+raises ends alone, with `finish_reason` "error", and frees its blocks; the
+other requests of the step go on as they would without it.
 
 Finished requests free their blocks at once and are reported to listeners
 (`add_listener`) as `FinishedRequest` records, which is what the tuner's length
@@ -205,7 +207,33 @@ class Engine:
         self._apply_swaps()
         batch = self.scheduler.schedule()
         sampled = self.runner.run(batch, self.scheduler.table)
-        return [self._accept(s) for s in sampled]
+        return [self._take(s) for s in sampled]
+
+    def _take(self, sampled: SampledToken) -> RequestOutput:
+        """`_accept` the sampled token, or end its request with the error that sampling or
+        accepting it raised (that request alone)."""
+        error = sampled.error
+        if error is None:
+            try:
+                return self._accept(sampled)
+            except Exception as raised:
+                error = raised
+        request = sampled.request
+        log.error(
+            "request %d failed in step %d; the others go on",
+            request.id,
+            self.steps,
+            exc_info=(type(error), error, error.__traceback__),
+        )
+        self.scheduler.remove(request.id)
+        return RequestOutput(
+            request.id,
+            [],
+            list(request.output),
+            True,
+            "error",
+            error=f"{type(error).__name__}: {error}",
+        )
 
     def _accept(self, sampled: SampledToken) -> RequestOutput:
         """Append a sampled token to its request, finishing the request if it ends there."""

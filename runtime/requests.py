@@ -16,6 +16,7 @@ __all__ = [
     "FinishedRequest",
     "Request",
     "RequestError",
+    "RequestFailed",
     "RequestOutput",
     "RequestTooLarge",
     "TokenLogprob",
@@ -30,6 +31,11 @@ class RequestTooLarge(RequestError):
     """A request whose tokens could never fit in the KV pool, even alone."""
 
 
+class RequestFailed(RuntimeError):
+    """A request the engine ended during a step because something of its own raised (its
+    `RequestOutput` has `finish_reason` "error"); the other requests of the step went on."""
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """A sampled token's log-probability and the most likely tokens at its position."""
@@ -41,7 +47,9 @@ class TokenLogprob:
 @dataclass(frozen=True)
 class RequestOutput:
     """What a step produced for one request (`logprob` of the new token when asked for;
-    in a request's first output, `prompt_logprobs` of its prompt tokens after the first)."""
+    in a request's first output, `prompt_logprobs` of its prompt tokens after the first).
+    A request that failed ends with no new token, `finish_reason` "error" (vLLM's name)
+    and the failure in `error`."""
 
     request_id: int
     new_token_ids: list[int]
@@ -50,6 +58,7 @@ class RequestOutput:
     finish_reason: str | None = None
     logprob: TokenLogprob | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,10 @@ decodes and the prefill chunks in one pass over the model
 token of each request whose prefill is complete. It samples those requests' next
 tokens (greedy rows by one argmax over the batch, others through
 `next_token_distribution` with each request's generator) and, where a request
-asks, their log-probabilities. The runner changes no request: what a token
-means for its request is the engine's to decide.
+asks, their log-probabilities. A row whose sampling raises carries the error
+instead of a token, and the other rows are sampled as they would be without it.
+The runner changes no request: what a token means for its request (or its
+error) is the engine's to decide.
 
 The runner builds every kernel a block-size swap may need when it is created,
 never in the middle of serving.
@@ -36,11 +38,13 @@ __all__ = ["ModelRunner", "SampledToken"]
 
 @dataclass(frozen=True)
 class SampledToken:
-    """A request's next token from this step, and its log-probability when asked for."""
+    """A request's next token from this step and its log-probability when asked for, or
+    (`token` None) the error that sampling it raised."""
 
     request: Request
-    token: int
-    logprob: TokenLogprob | None
+    token: int | None
+    logprob: TokenLogprob | None = None
+    error: Exception | None = None
 
 
 @dataclass(frozen=True)
@@ -97,11 +101,10 @@ class ModelRunner:
             return []
         logits = self._forward(batch, table)
         requests = batch.sampled
-        tokens = self._sample_batch(requests, logits)
-        return [
-            SampledToken(r, t, _asked_logprob(r, logits[i], t))
-            for i, (r, t) in enumerate(zip(requests, tokens, strict=True))
-        ]
+        tokens: list[int | None] = [None] * len(requests)
+        if all(r.params.greedy and not r.params.adjusts_logits for r in requests):
+            tokens = argmax_rows(logits)
+        return [self._sample_row(r, logits[i], tokens[i]) for i, r in enumerate(requests)]
 
     def prompt_logprobs(self, prompt: Sequence[int], top: int) -> tuple[TokenLogprob, ...]:
         """Each prompt token's log-probability after the ones before it, from one dense pass
@@ -131,10 +134,21 @@ class ModelRunner:
         )
 
     # ------------------------------------------------------------------ sampling
-    def _sample_batch(self, batch: list[Request], logits: torch.Tensor) -> list[int]:
-        if all(r.params.greedy and not r.params.adjusts_logits for r in batch):
-            return argmax_rows(logits)
-        return [self._sample(r, logits[i]) for i, r in enumerate(batch)]
+    def _sample_row(
+        self, request: Request, logits: torch.Tensor, token: int | None
+    ) -> SampledToken:
+        """`request`'s token (sampled from its row of `logits` unless given) with its
+        log-probability where the request asks for it, or the error either raised (which
+        ends that request alone)."""
+        try:
+            if token is None:
+                token = self._sample(request, logits)
+            top = request.params.logprobs
+            return SampledToken(
+                request, token, None if top is None else _logprob(logits, token, top)
+            )
+        except Exception as error:
+            return SampledToken(request, None, error=error)
 
     def _sample(self, request: Request, logits: torch.Tensor) -> int:
         params = request.params
@@ -173,12 +187,6 @@ def _step_inputs(batch: ScheduledBatch, table: BlockTable, device: torch.device)
         if chunk.last:
             logit_rows.append(len(token_ids) - 1)
     return _StepInputs(token_ids, positions, slots, context_lens, chunks, logit_rows)
-
-
-def _asked_logprob(request: Request, logits: torch.Tensor, token: int) -> TokenLogprob | None:
-    """`token`'s log-probability where `request` asks for it (`SamplingParams.logprobs`)."""
-    top = request.params.logprobs
-    return None if top is None else _logprob(logits, token, top)
 
 
 def _logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:

@@ -17,6 +17,13 @@ probabilities the token is drawn from, in this order:
    keeps the `top_k` likeliest, `top_p` the smallest set whose mass reaches
    `top_p`; what is left is renormalised.
 
+The distribution is total: where steps 1-3 leave no token a finite logit (every
+token is a stop token before `min_tokens`, or a penalty pushed every logit past
+float64's range), the settings cannot all be met, and the token is the model's
+own likeliest one, the argmax of the raw logits, with all the weight. A request
+whose every token is a stop token so generates `min_tokens` tokens and stops at
+the next, as it asked. A NaN logit (never from a sound model) counts as -inf.
+
 Log-probabilities reported to the client are the model's own (before all of
 this), as vLLM reports them by default.
 """
@@ -111,8 +118,9 @@ def next_token_distribution(
     eos_token_ids: Sequence[int],
 ) -> torch.Tensor:
     """The float64 probabilities `[vocab]` the next token is drawn from (see the module
-    docstring); one-hot on the argmax when greedy."""
-    logits = logits.detach().double().cpu().clone()
+    docstring); one-hot on the argmax when greedy, or when no token is left."""
+    raw = logits.detach().double().cpu().nan_to_num(nan=-torch.inf)
+    logits = raw.clone()
     vocab = logits.shape[-1]
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
@@ -133,10 +141,10 @@ def next_token_distribution(
     # A penalty near 0 divides a logit past float64's range: hold it at the largest finite
     # value, so the softmax below sees no inf - inf.
     logits = logits.clamp(max=torch.finfo(torch.float64).max)
+    if not torch.isfinite(logits).any():
+        return _one_hot(raw)  # no token left: the model's own choice
     if params.greedy:
-        probs = torch.zeros_like(logits)
-        probs[int(logits.argmax())] = 1.0
-        return probs
+        return _one_hot(logits)
     # Relative to the largest logit, so a tiny temperature gives a one-hot distribution
     # instead of inf/inf = NaN.
     probs = ((logits - logits.max()) / params.temperature).softmax(-1)
@@ -150,3 +158,10 @@ def next_token_distribution(
         keep = sorted_probs.cumsum(-1) - sorted_probs < params.top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs * keep)
     return probs / probs.sum()
+
+
+def _one_hot(logits: torch.Tensor) -> torch.Tensor:
+    """All the weight on the largest logit (the lowest token id on ties)."""
+    probs = torch.zeros_like(logits)
+    probs[int(logits.argmax())] = 1.0
+    return probs

@@ -33,6 +33,9 @@ def reference(logits, params: SamplingParams, prompt, output) -> np.ndarray:
         count = output.count(token)
         z[token] -= params.frequency_penalty * count + params.presence_penalty * (count > 0)
     z = np.array(z)
+    if not np.isfinite(z).any():  # no token left: the model's own likeliest, whatever asked
+        z = np.array([float(x) for x in logits])
+        params = SamplingParams(temperature=0.0)
     if params.temperature == 0:
         out = np.zeros(VOCAB)
         out[int(np.argmax(z))] = 1.0
@@ -83,9 +86,6 @@ params = st.builds(
     output=tokens,
 )
 def test_the_distribution_matches_the_reference(logits, params, prompt, output):
-    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(EOS))
-    if len(output) < params.min_tokens and stops >= set(range(VOCAB)):
-        return  # nothing left to pick; the API never asks for that
     got = next_token_distribution(
         torch.tensor(logits), params, prompt=prompt, output=output, eos_token_ids=EOS
     ).numpy()

@@ -2,9 +2,10 @@
 
 `Generation` submits one engine job per choice to an `EngineLoop` and yields
 each output as the engine thread produces it, timing every token for the
-metrics; leaving it early cancels the jobs still running. `ChoiceText` turns
-one choice's tokens into text deltas, ends the choice at a stop string and
-holds back the text that may still become one.
+metrics; leaving it early cancels the jobs still running. A job that fails in
+the engine raises; one that failed alone counts as finished with reason
+"error". `ChoiceText` turns one choice's tokens into text deltas, ends the
+choice at a stop string and holds back the text that may still become one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from blocktune.runtime.engine_loop import EngineLoop
-from blocktune.runtime.requests import RequestOutput, TokenLogprob
+from blocktune.runtime.requests import RequestFailed, RequestOutput, TokenLogprob
 from blocktune.runtime.sampling import SamplingParams
 from blocktune.runtime.tokenizer import IncrementalDecoder
 from blocktune.tuner.serving.worker_metrics import WorkerMetrics
@@ -68,15 +69,18 @@ class Generation:
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """`(choice index, output)` until every choice has finished; raises the exception
-        that ended a job (a `RequestError` for a request the engine refused)."""
+        that ended a job (a `RequestError` for a request the engine refused, `RequestFailed`
+        for one it ended with an error, `EngineStepFailed` for a failed step)."""
         try:
             while any(t.open for t in self._timing):
                 index, outcome, at = await self._queue.get()
                 timing = self._timing[index]
                 if not timing.open:
                     continue
+                if isinstance(outcome, RequestOutput) and outcome.finish_reason == "error":
+                    outcome = RequestFailed(outcome.error)
                 if isinstance(outcome, Exception):
-                    timing.open = False  # ended in the engine: neither finished nor aborted
+                    self._failed(index, outcome, at)
                     raise outcome
                 self._metrics.token(
                     since_s=at - timing.last_s,
@@ -99,6 +103,14 @@ class Generation:
             self._loop.stop_job(self._jobs[index])
         timing.open = False
         self._record(timing, reason, timing.last_s)
+
+    def _failed(self, index: int, error: Exception, at: float) -> None:
+        """Choice `index`'s job ended in the engine with `error`; one that failed alone
+        counts as "error"."""
+        timing = self._timing[index]
+        timing.open = False
+        if isinstance(error, RequestFailed):
+            self._record(timing, "error", at)
 
     def cancel(self) -> None:
         """Stop every job that still runs (the client went away): each counts as aborted."""

@@ -35,6 +35,10 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limit for /v1/chat/completions
 
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on the tokens one logit_bias names
+MAX_STOP_TOKEN_IDS = MAX_LOGIT_BIAS  # vLLM sets none; as many as logit_bias may name
+# vLLM takes any finite penalty above 0; one of 100 already all but bans a token seen, and far
+# above it a logit times the penalty leaves float64's range.
+MAX_REPETITION_PENALTY = 100.0
 
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
@@ -73,12 +77,12 @@ class _Sampling(_Strict):
     n: int = Field(1, ge=1, le=MAX_CHOICES)
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: list[TokenId] = []
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] = []
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
-    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     response_format: dict[str, Any] | None = None
     stream: bool = False

@@ -16,8 +16,6 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from blocktune.runtime.engine_loop import EngineStepFailed
-from blocktune.runtime.requests import RequestError
 from blocktune.tuner.serving.generation import Generation
 from blocktune.tuner.serving.http import StrictJsonRoute, refusals
 from blocktune.tuner.serving.openai_api import OPENAI_ERROR_SCHEMA, OpenAIError, Prepared
@@ -26,7 +24,7 @@ from blocktune.tuner.serving.openai_protocol import (
     CompletionRequest,
     StreamOptions,
 )
-from blocktune.tuner.serving.worker_errors import json_response, refusal
+from blocktune.tuner.serving.worker_errors import ENGINE_FAILURES, json_response, refusal
 
 __all__ = ["router"]
 
@@ -36,6 +34,7 @@ _GENERATION_REFUSALS = {
     "completion over max_model_len, a text prompt without a tokenizer, echo with logprobs",
     404: "a model other than the one served (code model_not_found)",
     422: "an invalid field, named by param",
+    500: "the request failed in the engine (finish reason error); the others went on",
     503: "the engine failed a step; the requests in it were dropped",
 }
 _GENERATION_ANSWERS = {
@@ -88,7 +87,7 @@ async def _stream(prepared: Prepared, first: tuple, rest, usage: StreamOptions |
         async for index, delta, logprobs in rest:
             if delta or logprobs or prepared.choices[index].finish_reason or index not in started:
                 yield chunk(index, delta, logprobs)
-    except (RequestError, EngineStepFailed) as error:
+    except ENGINE_FAILURES as error:
         yield _sse(refusal(error).body)
     if usage is not None and usage.include_usage:
         yield _sse(prepared.usage_chunk())
@@ -123,7 +122,7 @@ async def _serve(
             first = await anext(choices)
         else:
             await _unless_gone(_drain(choices), request)
-    except (RequestError, EngineStepFailed) as error:
+    except ENGINE_FAILURES as error:
         raise refusal(error) from None
     if body.stream:
         events = _stream(prepared, first, choices, body.stream_options)

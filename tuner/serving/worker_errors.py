@@ -13,10 +13,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from blocktune.runtime.requests import RequestError
+from blocktune.runtime.engine_loop import EngineStepFailed
+from blocktune.runtime.requests import RequestError, RequestFailed
 from blocktune.tuner.serving.openai_api import OpenAIError
 
-__all__ = ["add_error_handlers", "json_response", "refusal", "refusal_body"]
+__all__ = ["ENGINE_FAILURES", "add_error_handlers", "json_response", "refusal", "refusal_body"]
+
+# What can end an engine job: a refusal at admission, a failure of the request's own, a step's.
+ENGINE_FAILURES = (RequestError, RequestFailed, EngineStepFailed)
 
 
 def json_response(body: dict, status_code: int = 200, headers: dict | None = None) -> Response:
@@ -27,10 +31,13 @@ def json_response(body: dict, status_code: int = 200, headers: dict | None = Non
 
 
 def refusal(error: Exception) -> OpenAIError:
-    """The error object for an exception that ended an engine job."""
+    """The error object for an exception that ended an engine job (`ENGINE_FAILURES`): 400
+    for a request the engine refused, 500 for one that failed alone (as vLLM answers its
+    finish reason "error"), 503 for a failed step."""
     if isinstance(error, RequestError):
         return OpenAIError(400, str(error))
-    return OpenAIError(503, str(error), type="server_error")
+    status = 500 if isinstance(error, RequestFailed) else 503
+    return OpenAIError(status, str(error), type="server_error")
 
 
 def refusal_body(status: int, message: str) -> dict:

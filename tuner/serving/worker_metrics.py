@@ -29,7 +29,9 @@ VLLM = "vllm:"
 OWN = "blocktune_worker_"
 ENGINE = "0"  # vLLM's `engine` label: this worker runs one engine
 LABELS = ["model_name", "engine"]
-FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
+# vLLM's FinishReason values that this worker produces ("error": the request failed in the
+# engine); vLLM's "repetition" ends no request here.
+FINISH_REASONS = ("stop", "length", "abort", "error")
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
