@@ -16,6 +16,7 @@ with a 400 that says so when the request is prepared (`openai_api`).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -40,6 +41,7 @@ MAX_STOP_TOKEN_IDS = MAX_LOGIT_BIAS  # vLLM sets none; as many as logit_bias may
 # above it a logit times the penalty leaves float64's range.
 MAX_REPETITION_PENALTY = 100.0
 
+TOKEN_ID_KEY = "0|[1-9][0-9]*"  # a logit_bias key: a token id in ASCII digits, as "5" ("05" not)
 TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopText = Annotated[str, Field(min_length=1)]
@@ -83,7 +85,16 @@ class _Sampling(_Strict):
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
     repetition_penalty: float = Field(1.0, gt=0.0, le=MAX_REPETITION_PENALTY, allow_inf_nan=False)
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, float],
+            Field(
+                max_length=MAX_LOGIT_BIAS,
+                json_schema_extra={"propertyNames": {"pattern": f"^({TOKEN_ID_KEY})$"}},
+            ),
+        ]
+        | None
+    ) = None
     response_format: dict[str, Any] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -97,8 +108,10 @@ class _Sampling(_Strict):
     @classmethod
     def _bias_by_token_id(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for token, value in (bias or {}).items():
-            if not token.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not re.fullmatch(TOKEN_ID_KEY, token):
+                raise ValueError(
+                    f'logit_bias keys are token ids in decimal digits such as "5", got {token!r}'
+                )
             if not -100 <= value <= 100:
                 raise ValueError(f"logit_bias values are in [-100, 100], got {value}")
         return bias
