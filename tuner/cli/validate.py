@@ -179,6 +179,7 @@ def _report(
     """Print `validation` as JSON (`--json -`) or as the table, after `preface`'s lines, and
     write `--json FILE`; 0."""
     from blocktune.tuner.fidelity.validation_report import (
+        format_left_out,
         format_validation_table,
         validation_dict,
         write_validation,
@@ -188,8 +189,9 @@ def _report(
     if args.json == "-":
         print(json.dumps(validation_dict(validation), indent=2, allow_nan=False))
         return 0
-    if validation.trace["too_long"]:
-        print(f"left out {validation.trace['too_long']} requests longer than the pool")
+    left_out = format_left_out(validation.trace)
+    if left_out is not None:
+        print(left_out)
     for line in preface:
         print(line)
     print(format_validation_table(validation))

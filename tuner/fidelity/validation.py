@@ -91,6 +91,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CALIBRATION_DRAWS",
+    "POOL_LIMIT",
+    "POSITIONS_LIMIT",
     "RANK_CONFIDENCE",
     "RANK_METRICS",
     "BlockSizeCheck",
@@ -98,12 +100,16 @@ __all__ = [
     "Ranking",
     "StepSensitivity",
     "Validation",
+    "left_out",
     "pool_slots",
     "step_sensitivity",
     "validate",
 ]
 
 
+# What sets the most tokens a request of a check may hold (`left_out`).
+POSITIONS_LIMIT = "the model's positions, max_position_embeddings"
+POOL_LIMIT = "the smallest KV pool of the block sizes compared"
 RANK_METRICS = ("tokens_per_s", "tpot_p50_s", "ttft_p99_s")
 """The metrics both sides rank the block sizes by."""
 RANK_TIE = 0.01
@@ -349,7 +355,7 @@ def validate(
     )
     server = StepCostModel(plan.served, calibration, step_s)
     checks = _predict(plan, server, [metrics for metrics, _ in live], draws, seed, progress)
-    trace = {"requests": len(workload), "too_long": len(workload) - len(plan.workload)}
+    trace = left_out(workload, plan.workload, plan.token_limit, plan.limited_by)
     setup = {
         "kv_budget_bytes": int(plan.served.kv_budget),
         "pool_blocks": {b: server.num_blocks(b) for b in plan.sizes},
@@ -367,11 +373,14 @@ def validate(
 @dataclass(frozen=True)
 class _Plan:
     """What `validate` serves: the policy as served (the live model's shape, the block sizes
-    as its candidates), the workload kept, the block size of each live run in the order they
-    are served, and the clock that times their steps."""
+    as its candidates), the workload kept (requests of at most `token_limit` tokens, a limit
+    `limited_by` sets), the block size of each live run in the order they are served, and
+    the clock that times their steps."""
 
     served: Policy
     workload: Workload
+    token_limit: int
+    limited_by: str
     order: tuple[int, ...]
     clock: str
 
@@ -406,11 +415,11 @@ def _plan(
         clock = calibration.engine.clock if calibration.engine is not None else "wall"
         check_clock(clock, model)
     served = _served_policy(policy, model, block_sizes)
-    limit = min(
-        model.config.max_position_embeddings, pool_slots(policy, model, calibration, block_sizes)
-    )
+    positions = model.config.max_position_embeddings
+    pool = pool_slots(policy, model, calibration, block_sizes)
+    limit, limited_by = (positions, POSITIONS_LIMIT) if positions <= pool else (pool, POOL_LIMIT)
     order = tuple(b for _ in range(runs) for b in served.candidates)
-    return _Plan(served, workload.without_longer_than(limit), order, clock)
+    return _Plan(served, workload.without_longer_than(limit), limit, limited_by, order, clock)
 
 
 def _serve_live_runs(
@@ -526,6 +535,17 @@ def _predict(
         again = tuple(predict(plan.workload, d, b, seed=seed) for d in draws)
         checks.append(BlockSizeCheck(b, predicted, runs_of_b, sensitivity, again))
     return checks
+
+
+def left_out(workload: Workload, kept: Workload, token_limit: int, limited_by: str) -> dict:
+    """A check's trace section: its requests, how many it left out as longer than
+    `token_limit` tokens, that limit and what sets it (`POSITIONS_LIMIT`, `POOL_LIMIT`)."""
+    return {
+        "requests": len(workload),
+        "too_long": len(workload) - len(kept),
+        "token_limit": token_limit,
+        "token_limit_of": limited_by,
+    }
 
 
 def pool_slots(

@@ -1,9 +1,11 @@
 """The fidelity check as a fixed-width table and as JSON.
 
 The JSON object is ``{"trace", "setup", "results", "rankings",
-"median_abs_error", "median_calibration_noise"}``; each result has
-``block_size``, ``predicted`` and ``measured`` (the mean of the live runs), each
-with the keys of `METRICS`, plus ``measured_runs``, ``relative_error``,
+"median_abs_error", "median_calibration_noise"}``. The trace has ``requests``,
+``too_long`` (those left out), ``token_limit`` (the most tokens a request kept holds)
+and ``token_limit_of`` (what sets it: the model's positions or the KV pool). Each
+result has ``block_size``, ``predicted`` and ``measured`` (the mean of the live
+runs), each with the keys of `METRICS`, plus ``measured_runs``, ``relative_error``,
 ``noise`` and ``calibration_noise`` (the relative standard deviation of the
 predictions with the calibration's refits) per metric.
 ``rankings`` has per metric of `RANK_METRICS` both orders (``predicted``,
@@ -36,6 +38,7 @@ from blocktune.tuner.fidelity.validation import (
 
 __all__ = [
     "GOAL_METRICS",
+    "format_left_out",
     "format_median_errors",
     "format_ranking",
     "format_sensitivity",
@@ -57,6 +60,19 @@ _HEADINGS = {
     "peak_kv_blocks": ("peak KV", "blocks", 1.0, "{:.1f}"),
     "preemptions": ("preempt", "", 1.0, "{:.1f}"),
 }
+
+
+def format_left_out(trace: Mapping) -> str | None:
+    """The line on the requests a check left out as too long, with the limit and what sets
+    it (`validation.left_out`); None where it left out none."""
+    count = trace["too_long"]
+    if not count:
+        return None
+    requests = "request" if count == 1 else "requests"
+    return (
+        f"left out {count} {requests} longer than {trace['token_limit']} tokens "
+        f"({trace['token_limit_of']})"
+    )
 
 
 def validation_dict(validation: Validation) -> dict:

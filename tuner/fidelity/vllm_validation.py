@@ -34,7 +34,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from blocktune.tuner.config.calibration import Calibration, CalibrationError
 from blocktune.tuner.config.policy import Policy
 from blocktune.tuner.fidelity.served_metrics import mean_of, predict, prediction_method
-from blocktune.tuner.fidelity.validation import BlockSizeCheck, Validation, step_sensitivity
+from blocktune.tuner.fidelity.validation import (
+    POOL_LIMIT,
+    BlockSizeCheck,
+    Validation,
+    left_out,
+    step_sensitivity,
+)
 from blocktune.tuner.measure.vllm_measure import VllmClient
 from blocktune.tuner.measure.vllm_server import VllmServer
 from blocktune.tuner.sim.served import ServedMetrics
@@ -198,7 +204,7 @@ def validate_vllm(
         mean = mean_of(tuple(measured))
         sensitivity = step_sensitivity(kept, server, block_size, predicted, mean)
         checks.append(BlockSizeCheck(block_size, predicted, tuple(measured), sensitivity))
-    trace = {"requests": len(workload), "too_long": len(workload) - len(kept)}
+    trace = left_out(workload, kept, limit, POOL_LIMIT)
     setup = {
         "kv_budget_bytes": int(served.kv_budget),
         "pool_blocks": {b: server.num_blocks(b) for b in served.candidates},
