@@ -120,11 +120,17 @@ def load_weights(
 ) -> LlamaModel:
     """The model alone, in `dtype` on `device`: `tiny-random` (seeded), an installed model's
     name, a folder or a `.gguf`."""
-    source = resolve_source(source)
-    if source == TINY_RANDOM:
+    path = resolve_source(source)
+    if path == TINY_RANDOM:
         return random_model(ModelConfig.tiny(), seed=seed, dtype=dtype, device=device)
+    if not path.exists():
+        known = ", ".join((TINY_RANDOM, *INSTALLED_MODELS))
+        raise ModelLoadError(
+            f"model {str(source)!r} is neither a known model ({known}) nor a file or folder: "
+            "give a known name, a Hugging Face folder (config.json, *.safetensors, tokenizer "
+            "files) or a .gguf file"
+        )
     dtype = resolve_dtype(dtype, device)
-    path = Path(source)
     if _is_gguf(path):
         config, state = _read_gguf(path, dtype)
     else:

@@ -171,6 +171,21 @@ def test_dtype_names_are_checked():
         resolve_dtype(torch.float64, "cpu")
 
 
+@pytest.mark.parametrize("load", [load_pretrained, load_weights])
+def test_a_source_that_is_no_known_model_nor_path_names_the_known_ones(tmp_path, load):
+    """`smollm3` is no model blocktune knows and no file here: the error says which names
+    it knows and what a path must hold, not that smollm3/config.json is missing."""
+    with pytest.raises(ModelLoadError) as refused:
+        load("smollm3")
+    message = str(refused.value)
+    assert message.startswith("model 'smollm3' is neither a known model (tiny-random, smollm2)")
+    assert "config.json, *.safetensors" in message and ".gguf" in message
+    empty = tmp_path / "empty"
+    empty.mkdir()  # a folder that exists is read as one
+    with pytest.raises(ModelLoadError, match="config.json: not found"):
+        load(empty)
+
+
 def test_max_model_len_defaults_to_max_position_embeddings(llama):
     _, folder = llama
     loaded = load_pretrained(folder)

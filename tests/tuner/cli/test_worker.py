@@ -10,6 +10,7 @@ import threading
 import httpx
 import pytest
 
+from blocktune.tuner.cli import main
 from blocktune.tuner.operations import free_port
 
 WORKER = [sys.executable, "-m", "blocktune.tuner.cli", "worker", "--model", "tiny-random"]
@@ -50,3 +51,11 @@ def test_the_worker_says_where_it_serves_once_it_answers():
     assert ready.startswith(f"blocktune worker ready: http://127.0.0.1:{port} "), lines
     assert "model tiny-random, block size 16" in ready
     assert health == 200
+
+
+def test_a_model_the_worker_does_not_know_is_refused_naming_those_it_knows(capsys):
+    assert main(["worker", "--model", "smollm3", "--port", str(free_port())]) == 2
+    error = capsys.readouterr().err
+    assert (
+        "blocktune worker: model 'smollm3' is neither a known model (tiny-random, smollm2)" in error
+    )
