@@ -73,6 +73,7 @@ def run_worker(args: argparse.Namespace) -> int:
         check_bind(args.host, token)
         set_threads(args.threads)
         loaded = load_model_from_args(args)
+        _check_pool_holds_a_block(args, config.engine, loaded.model)
         engine = Engine(loaded.model, config.engine)
     except (InsecureBind, ModelLoadError, ValueError) as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
@@ -101,6 +102,32 @@ def run_worker(args: argparse.Namespace) -> int:
     finally:
         stopped.set()
     return 0
+
+
+def _check_pool_holds_a_block(args: argparse.Namespace, engine_config, model) -> None:
+    """Raise ValueError, naming the flag or policy field that sized it, where the KV pool
+    holds not one block of the largest candidate (the engine's pool is whole such blocks)."""
+    from pydantic import ByteSize
+
+    from blocktune.runtime.kv_cache import kv_bytes
+
+    mc = model.config
+    per_token = kv_bytes(mc.num_layers, mc.num_kv_heads, mc.head_dim, model.dtype.itemsize, 1)
+    largest = max(engine_config.candidate_block_sizes)
+    block = per_token * largest
+    if engine_config.kv_bytes >= block:
+        return
+    budget = ByteSize(engine_config.kv_bytes).human_readable()
+    if args.kv_bytes is not None:
+        given = f"--kv-bytes {budget}"
+    elif args.policy:
+        given = f"the policy's kv_budget {budget}"
+    else:
+        given = f"the default KV pool {budget}"
+    raise ValueError(
+        f"{given} holds no block: one token needs {per_token} bytes, one block of {largest} "
+        f"tokens (the largest candidate) {block} ({ByteSize(block).human_readable()})"
+    )
 
 
 def _ready_line(args: argparse.Namespace, engine) -> str:

@@ -59,3 +59,14 @@ def test_a_model_the_worker_does_not_know_is_refused_naming_those_it_knows(capsy
     assert (
         "blocktune worker: model 'smollm3' is neither a known model (tiny-random, smollm2)" in error
     )
+
+
+def test_a_pool_that_holds_no_block_is_refused_naming_the_flag_and_the_bytes_needed(capsys):
+    """tiny-random's K and V take 2 layers x 2 heads x 16 x 4 bytes x 2 = 512 bytes a token;
+    the pool is whole blocks of the largest candidate, 128 tokens by default."""
+    port = str(free_port())
+    assert main(["worker", "--kv-bytes", "1KiB", "--port", port]) == 2
+    assert capsys.readouterr().err == (
+        "blocktune worker: --kv-bytes 1.0KiB holds no block: one token needs 512 bytes, one "
+        "block of 128 tokens (the largest candidate) 65536 (64.0KiB)\n"
+    )
