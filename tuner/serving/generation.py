@@ -3,9 +3,12 @@
 `Generation` submits one engine job per choice to an `EngineLoop` and yields
 each output as the engine thread produces it, timing every token for the
 metrics; leaving it early cancels the jobs still running. A job that fails in
-the engine raises; one that failed alone counts as finished with reason
-"error". `ChoiceText` turns one choice's tokens into text deltas, ends the
-choice at a stop string and holds back the text that may still become one.
+the engine (its own request, or the whole step) raises and counts as finished
+with reason "error", so every job that started counts under one reason; one
+the engine refused at admission never started and counts in none (blocktune's
+`rejected` counts it). `ChoiceText` turns one choice's tokens into text
+deltas, ends the choice at a stop string and holds back the text that may
+still become one.
 """
 
 from __future__ import annotations
@@ -16,8 +19,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from blocktune.runtime.engine_loop import EngineLoop
-from blocktune.runtime.requests import RequestFailed, RequestOutput, TokenLogprob
+from blocktune.runtime.engine_loop import EngineLoop, EngineStepFailed
+from blocktune.runtime.requests import RequestError, RequestFailed, RequestOutput, TokenLogprob
 from blocktune.runtime.sampling import SamplingParams
 from blocktune.runtime.tokenizer import IncrementalDecoder
 from blocktune.tuner.serving.worker_metrics import WorkerMetrics
@@ -105,12 +108,17 @@ class Generation:
         self._record(timing, reason, timing.last_s)
 
     def _failed(self, index: int, error: Exception, at: float) -> None:
-        """Choice `index`'s job ended in the engine with `error`; one that failed alone
-        counts as "error"."""
-        timing = self._timing[index]
-        timing.open = False
-        if isinstance(error, RequestFailed):
-            self._record(timing, "error", at)
+        """Choice `index`'s job ended in the engine with `error`. It counts as "error"
+        unless the engine refused it (then it never started); a failed step ended every job
+        in flight, so every choice still open counts as "error"."""
+        every = isinstance(error, EngineStepFailed)
+        for i, (job, timing) in enumerate(zip(self._jobs, self._timing, strict=True)):
+            if timing.open and (every or i == index):
+                timing.open = False
+                if i != index:  # failed too, unless the engine admitted it after that step
+                    self._loop.cancel(job)
+                if not isinstance(error, RequestError):
+                    self._record(timing, "error", at)
 
     def cancel(self) -> None:
         """Stop every job that still runs (the client went away): each counts as aborted."""

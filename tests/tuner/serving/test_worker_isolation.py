@@ -7,6 +7,7 @@ import json
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from blocktune.runtime import runner as runner_module
 from blocktune.runtime.config import EngineConfig
@@ -126,3 +127,36 @@ def test_what_can_be_refused_is_refused_naming_the_field(worker, path, extra, pa
     answer = httpx.post(f"{url}/v1/{path}", json={**prompt, "max_tokens": 8, **extra}, timeout=30)
     assert answer.status_code == 422, answer.text
     assert answer.json()["error"]["param"] == param
+
+
+def _successes(url: str) -> dict[str, float]:
+    """vllm:request_success_total by finished_reason."""
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    (success,) = [f for f in families if f.name == "vllm:request_success"]
+    return {s.labels["finished_reason"]: s.value for s in success.samples}
+
+
+def test_every_request_of_a_failed_step_counts_once_as_an_error(worker, monkeypatch):
+    url, loop = worker
+    forward_step = loop.engine.model.forward_step
+    failed = []
+
+    def fails_once_with_all_five(*args, **kwargs):
+        if not failed and kwargs["logit_rows"].numel() == 5:
+            failed.append(True)
+            raise RuntimeError("injected device fault")
+        return forward_step(*args, **kwargs)
+
+    monkeypatch.setattr(loop.engine.model, "forward_step", fails_once_with_all_five)
+    # Long enough to run side by side however late one arrives; all end at the failed step.
+    bodies = [{"prompt_ids": p, "max_tokens": 1000} for p in PROMPTS[:3]]
+    two = {"prompt_ids": PROMPTS[3], "max_tokens": 1000, "n": 2}  # two engine requests
+    bodies.append(two)
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        posts = [
+            pool.submit(httpx.post, f"{url}/v1/completions", json=b, timeout=60) for b in bodies
+        ]
+        answers = [p.result() for p in posts]
+    assert [a.status_code for a in answers] == [503] * 4
+    assert loop.state()["failed_steps"] == 1
+    assert _successes(url) == {"stop": 0, "length": 0, "abort": 0, "error": 5}
