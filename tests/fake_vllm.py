@@ -20,8 +20,15 @@ N; 32 as vLLM's CPU backend), `--backend NAME` (also logged as a CUDA vLLM
 logs it), `--busy-for S` (one request counts as running for S seconds after
 the start, to exercise the drain), `--hang-at B` (never healthy at block size B),
 `--ignore-sigterm` (to exercise the SIGKILL after the stop timeout),
-`--step fixed_s=X,per_sequence_s=Y,...` (the step form's coefficients, in seconds;
-`per_block_s` is charged per block of the running size).
+`--exit-after S` (exits with code 3 S seconds after it began serving, as a server that
+crashes between switches), `--log-requests` (logs each completion's prompt as vLLM's
+request logging does), `--step fixed_s=X,per_sequence_s=Y,...` (the step form's
+coefficients, in seconds; `per_block_s` is charged per block of the running size).
+
+It logs as vLLM does (`INFO 12-01 10:00:00 [file.py:123] message`, a traceback
+before it exits on an error), and, as vLLM's logging, it outlives a closed output:
+a line it cannot write is lost, not the server (so a sidecar killed with SIGKILL
+leaves it serving, as it leaves a real vLLM).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import queue
 import signal
 import sys
@@ -47,6 +55,20 @@ STEP_TERMS = (
     "per_admission_s",
 )
 DEFAULT_STEP = "fixed_s=0.002,per_sequence_s=0.0005,per_token_s=0.000002"
+
+
+def say(text: str, *, level: str = "INFO", where: str = "fake_vllm.py:1") -> None:
+    """Write one line in vLLM's log format; a closed output loses the line, as
+    `logging.Handler.handleError` does for vLLM, and the server carries on."""
+    stamp = time.strftime("%m-%d %H:%M:%S")
+    line = text if level == "" else f"{level} {stamp} [{where}] {text}"
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except (BrokenPipeError, OSError, ValueError):
+        with_nothing = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(with_nothing, sys.stdout.fileno())  # later lines go nowhere, quietly
+        os.close(with_nothing)
 
 
 def step_coefficients(text: str) -> dict[str, float]:
@@ -171,21 +193,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--busy-for", type=float, default=0.0)
     parser.add_argument("--hang-at", type=int, default=None, help="never healthy at this size")
     parser.add_argument("--ignore-sigterm", action="store_true")
+    parser.add_argument("--exit-after", type=float, default=None, help="crash after S serving")
+    parser.add_argument("--log-requests", action="store_true")
     parser.add_argument("--step", type=step_coefficients, default=step_coefficients(DEFAULT_STEP))
     args, _vllm_flags = parser.parse_known_args(argv)
     if args.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     else:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"INFO fake-vllm: Automatically detected platform {args.platform}.", flush=True)
+    say(f"Automatically detected platform {args.platform}.", where="__init__.py:239")
     if args.platform != "cpu":
-        print(f"INFO fake-vllm: Using {args.backend} attention backend.", flush=True)
+        say(f"Using {args.backend} attention backend.", where="cuda.py:344")
     time.sleep(args.start_delay)
     if args.block_size % args.multiple:
-        print(
+        say("Traceback (most recent call last):", level="")
+        say('  File "vllm/v1/worker/utils.py", line 80, in select_common_block_size', level="")
+        say(
             f"ValueError: No common block size for {args.block_size} "
             f"({args.backend}: [MultipleOf({args.multiple})]).",
-            flush=True,
+            level="",
         )
         return 1
     if args.block_size == args.hang_at:
@@ -218,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                 return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             prompt = body["prompt"]
+            if args.log_requests:
+                say(f"Received request cmpl-1: prompt: {prompt!r}", where="logger.py:43")
             length = len(prompt) if isinstance(prompt, list) else len(prompt.split())
             request = Request(length, int(body.get("max_tokens", 16)))
             engine.waiting.put(request)
@@ -251,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
             """Quiet: requests are not logged."""
 
     server = ThreadingHTTPServer((args.host, args.port), Handler)
-    print(f"INFO fake-vllm: serving block size {args.block_size} on {args.port}", flush=True)
+    say(f"serving block size {args.block_size} on {args.port}", where="api_server.py:1")
+    if args.exit_after is not None:
+        threading.Timer(args.exit_after, os._exit, (3,)).start()
     try:
         server.serve_forever()
     finally:
