@@ -325,14 +325,20 @@ def create_sidecar_app(
 def serve_sidecar(
     sidecar: Sidecar, *, host: str, port: int, token: str | None, server: ServerSettings
 ) -> None:
-    """Serve `sidecar` with uvicorn until SIGTERM/SIGINT, then stop it (which saves state)."""
+    """Serve `sidecar` with uvicorn until SIGTERM, SIGINT or SIGHUP, then stop it (which
+    saves state and stops a supervised vLLM)."""
     app = create_sidecar_app(sidecar, token=token, allowed_hosts=server.allowed_hosts)
     config = server_config(app, host=host, port=port, server=server)
+    uvicorn_server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT and then raises the signal again for
     # the handlers it found; these keep that second delivery from killing the process.
+    # SIGHUP (the terminal closed) is a graceful stop too; uvicorn leaves it to us.
     previous = {sig: signal.signal(sig, _shutdown_done) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(
+        signal.SIGHUP, lambda _signum, _frame: setattr(uvicorn_server, "should_exit", True)
+    )
     try:
-        uvicorn.Server(config).run()
+        uvicorn_server.run()
     finally:
         sidecar.stop()
         for sig, handler in previous.items():

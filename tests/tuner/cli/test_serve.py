@@ -191,3 +191,17 @@ def test_serve_answers_the_hosts_it_is_told_to(tmp_path):
     assert code == 0
     serving = next(e for e in events if e["event"] == "serving")
     assert serving["allowed_hosts"] == ["loopback", "tuner.internal"]
+
+
+def test_serve_saves_on_sighup_as_on_sigterm(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "BLOCKTUNE_TOKEN"}
+    state, port = tmp_path / "state.json", free_port()
+    process = start(port, state, env)
+    try:
+        items = [{"prompt_tokens": 20 + i % 5, "output_tokens": 9} for i in range(40)]
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/observations", json=items).status_code == 200
+    finally:
+        code, events = stop(process, signal.SIGHUP)  # the terminal it ran in was closed
+    assert code == 0
+    assert [e["event"] for e in events][-1] == "sidecar_stopped"
+    assert len(json.loads(state.read_text())["window"]["prompt_tokens"]) == 40
