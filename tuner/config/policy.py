@@ -93,6 +93,7 @@ __all__ = [
     "DTYPE_BYTES",
     "MAX_BLOCK_SIZE",
     "BLOCK_SIZE_PLACEHOLDER",
+    "DEFAULT_REFUSAL_TTL",
     "ActuatorSettings",
     "AuthSettings",
     "BatchSettings",
@@ -405,6 +406,8 @@ class AuthSettings(Section):
 
 BLOCK_SIZE_PLACEHOLDER = "{block_size}"
 """Replaced by the block size in an actuator's command."""
+DEFAULT_REFUSAL_TTL = timedelta(hours=1)
+"""How long a block size vLLM refused to start with is rejected without a try."""
 
 
 def _command(value: tuple[str, ...]) -> tuple[str, ...]:
@@ -461,6 +464,10 @@ class ActuatorSettings(Section):
         min_length=1,
         description="vllm_process: a file the server's output is appended to (relative paths "
         "start at the policy's folder)",
+    )
+    refusal_ttl: Duration = Field(
+        default=DEFAULT_REFUSAL_TTL,
+        description="vllm_process: how long a size vLLM refused is rejected without a try",
     )
 
     @model_validator(mode="after")

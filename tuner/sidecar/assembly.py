@@ -7,8 +7,11 @@ and a polled source for each field of `sources` that is set (a row of
 actuator or source is one row of its table.
 
 The parts report to the sidecar (a scrape's observations and block size, the
-platform and attention backend a vLLM server logs) through `SidecarReports`,
-made before the sidecar they report to and bound to it once it is built.
+platform and attention backend a vLLM server logs, the block size of the server an
+actuator started or adopted) through `SidecarReports`, made before the sidecar they
+report to and bound to it once it is built. The `vllm_process` actuator keeps its
+record (the server it runs, the sizes vLLM refused) beside the state file
+(`child_record`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from blocktune.tuner.config.engine_settings import engine_settings
 from blocktune.tuner.config.policy import ActuatorSettings, Policy
 from blocktune.tuner.operations import token_from_env
 from blocktune.tuner.sidecar.actuators import Actuator, EngineActuator, HttpActuator
+from blocktune.tuner.sidecar.child_record import record_path
 from blocktune.tuner.sidecar.command_actuator import CommandActuator
 from blocktune.tuner.sidecar.jsonl_log import JsonlLogFollower
 from blocktune.tuner.sidecar.sidecar import Sidecar
@@ -38,6 +42,7 @@ __all__ = [
     "ACTUATORS",
     "SOURCES",
     "ActuatorKind",
+    "Paths",
     "SidecarConfigError",
     "SidecarReports",
     "build_sidecar",
@@ -64,11 +69,23 @@ class SidecarReports:
     def block_size(self, block_size: int) -> None:
         self._sidecar.report_block_size(block_size)
 
+    def started(self, block_size: int) -> None:
+        self._sidecar.report_block_size(block_size, source="actuator")
+
     def engine(self, platform: str | None, backend: str | None) -> None:
         self._sidecar.report_engine(platform, backend)
 
 
-def _http(settings: ActuatorSettings, _policy: Policy, _reports: SidecarReports, _base: Path):
+@dataclass(frozen=True)
+class Paths:
+    """Where an actuator's files go: relative paths start at the policy's folder `base`;
+    `state_file` is the sidecar's (None: it keeps none)."""
+
+    base: Path
+    state_file: Path | None = None
+
+
+def _http(settings: ActuatorSettings, _policy: Policy, _reports: SidecarReports, _at: Paths):
     return HttpActuator(
         settings.url,
         token_from_env(settings.token_env),
@@ -78,7 +95,7 @@ def _http(settings: ActuatorSettings, _policy: Policy, _reports: SidecarReports,
     )
 
 
-def _vllm_process(settings: ActuatorSettings, policy: Policy, reports: SidecarReports, base: Path):
+def _vllm_process(settings: ActuatorSettings, policy: Policy, reports: SidecarReports, at: Paths):
     return VllmProcessActuator(
         settings.command,
         settings.url,
@@ -86,12 +103,15 @@ def _vllm_process(settings: ActuatorSettings, policy: Policy, reports: SidecarRe
         drain_timeout_s=settings.drain_timeout.total_seconds(),
         start_timeout_s=settings.start_timeout.total_seconds(),
         stop_timeout_s=settings.stop_timeout.total_seconds(),
-        log_file=None if settings.log_file is None else base / settings.log_file,
+        log_file=None if settings.log_file is None else at.base / settings.log_file,
         on_engine_info=reports.engine,
+        on_block_size=reports.started,
+        record_file=None if at.state_file is None else record_path(at.state_file),
+        refusal_ttl_s=settings.refusal_ttl.total_seconds(),
     )
 
 
-def _command(settings: ActuatorSettings, _policy: Policy, _reports: SidecarReports, _base: Path):
+def _command(settings: ActuatorSettings, _policy: Policy, _reports: SidecarReports, _at: Paths):
     return CommandActuator(
         settings.command,
         url=settings.url,
@@ -102,11 +122,11 @@ def _command(settings: ActuatorSettings, _policy: Policy, _reports: SidecarRepor
 
 @dataclass(frozen=True)
 class ActuatorKind:
-    """How one `actuator.kind` is made (from its settings, the policy, the reports and the
-    policy's folder), and whether its switches restart the engine (the measured restarts
+    """How one `actuator.kind` is made (from its settings, the policy, the reports and
+    the paths), and whether its switches restart the engine (the measured restarts
     then price the next switches)."""
 
-    build: Callable[[ActuatorSettings, Policy, SidecarReports, Path], Actuator]
+    build: Callable[[ActuatorSettings, Policy, SidecarReports, Paths], Actuator]
     restarts_engine: bool = False
 
 
@@ -156,7 +176,8 @@ def build_sidecar(
         actuator = EngineActuator(engine, timeout_s=policy.actuator.timeout.total_seconds())
     elif policy.actuator.kind != "none":
         kind = ACTUATORS[policy.actuator.kind]
-        actuator = kind.build(policy.actuator, policy, reports, base)
+        state = None if state_file is None else Path(state_file)
+        actuator = kind.build(policy.actuator, policy, reports, Paths(base, state))
         restarts_engine = kind.restarts_engine
     sources = [
         make(settings, reports, base)

@@ -10,19 +10,18 @@ pays back against.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from blocktune.tuner.config.policy import BLOCK_SIZE_PLACEHOLDER
+from blocktune.tuner.sidecar.vllm_output import exception_message
 
 __all__ = ["HEALTH_POLL_S", "fill_block_size", "reason_from", "requests_in_flight"]
 
 HEALTH_POLL_S = 0.2
 IN_FLIGHT = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-EXCEPTION_LINE = re.compile(r"(?:^|\] )(\w+(?:Error|Exception): .+)")
-"""An exception's message, alone on its line or after vLLM's log prefix."""
+MAX_REASON_LINE = 300
 
 
 def fill_block_size(command: Sequence[str], block_size: int) -> list[str]:
@@ -41,9 +40,9 @@ def requests_in_flight(exposition: str) -> int:
 
 
 def reason_from(error: str, output: Sequence[str]) -> str:
-    """`error` with the first exception the server's output names (its root cause), else
-    its last line."""
+    """`error` with the first exception the server's output shows at a traceback's end (its
+    root cause; `vllm_output` says which lines count), else its last line."""
     for line in output:
-        if match := EXCEPTION_LINE.search(line):
-            return f"{error}: {match.group(1).strip()[:300]}"
-    return f"{error}; its last output: {output[-1].strip()[:300]}" if output else error
+        if (exception := exception_message(line)) is not None:
+            return f"{error}: {exception[:MAX_REASON_LINE]}"
+    return f"{error}; its last output: {output[-1].strip()[:MAX_REASON_LINE]}" if output else error

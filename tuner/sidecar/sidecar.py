@@ -11,9 +11,9 @@ engine, a vLLM server run as a child and restarted with the new size, or a
 user's command; see `vllm_process` and `command_actuator`) applies a switch,
 and the selector records the switch (`min_dwell` starts) only once the swap is
 done. Without an actuator, or in `mode: recommend`, a switch is a
-recommendation ("restart vLLM with --block-size 8"), logged once per change. After every decision and at
-shutdown the window and the decision are saved to the state file, and restored
-at the next start.
+recommendation ("restart vLLM with --block-size 8"), logged once per change.
+After every decision and at shutdown the window and the decision are saved to
+the state file, and restored at the next start.
 
 `create_sidecar_app` (in `blocktune.tuner.serving.sidecar_app`) serves a `Sidecar`
 over HTTP; library use needs no HTTP at all::
@@ -63,6 +63,10 @@ if TYPE_CHECKING:
 __all__ = ["PushDisabled", "Sidecar"]
 
 log = logging.getLogger("blocktune.sidecar")
+
+MAX_WARNED_VALUES = 64
+"""Distinct engine values (block sizes, backends, platforms) warned about once each; the
+set of them stays this small whatever a server reports."""
 
 
 class PushDisabled(ValueError):
@@ -186,14 +190,18 @@ class Sidecar:
             log_event(log, "calibration_for_another_device", warning=mismatch)
 
     def stop(self) -> None:
-        """Stop the sources and the scheduler (a run in progress finishes), then save."""
+        """Stop the sources and the scheduler (a run in progress finishes), save, and close
+        the actuator. An actuator that restarts the engine is closed first: it cuts a
+        restart in progress short (minutes of a model load) and stops its server."""
         if self._stopped:
             return
         self._stopped = True
         self._runner.stop()
+        if self._restarting:
+            self.actuator.close()
         self.scheduler.stop(wait=True)
         self.save_state()
-        if self.actuator is not None:
+        if self.actuator is not None and not self._restarting:
             self.actuator.close()
         log_event(log, "sidecar_stopped", deployment=self.policy.deployment)
 
@@ -242,19 +250,20 @@ class Sidecar:
         self.statuses["engine"].succeeded(1)
         self._first_decision_when_ready()
 
-    def report_block_size(self, block_size: int) -> None:
-        """The vLLM metrics source reports the block size in use (its cache_config_info)."""
+    def report_block_size(self, block_size: int, source: str = "vllm_metrics") -> None:
+        """The block size in use, as the vLLM metrics source reads it (cache_config_info)
+        or as the actuator started or adopted its server (`source="actuator"`)."""
         if not (is_power_of_two(block_size) and block_size <= MAX_BLOCK_SIZE):
-            self.statuses["vllm_metrics"].bad_items(
-                1,
-                f"cache_config_info block_size {block_size} is not a power of two "
-                f"up to {MAX_BLOCK_SIZE}",
-            )
+            problem = f"block_size {block_size} is not a power of two up to {MAX_BLOCK_SIZE}"
+            if source in self.statuses:
+                self.statuses[source].bad_items(1, f"cache_config_info {problem}")
+            else:
+                log_event(log, "block_size_unusable", source=source, problem=problem)
             return
         with self._lock:
             changed, self._current = self._current != block_size, block_size
         if changed:
-            log_event(log, "block_size_in_use", block_size=block_size, source="vllm_metrics")
+            log_event(log, "block_size_in_use", block_size=block_size, source=source)
         if self.policy.engine == "vllm" and not self.policy.backend.accepts(block_size):
             self._mismatch(
                 "block_size",
@@ -286,11 +295,13 @@ class Sidecar:
                 self._mismatch("device", platform, warning)
 
     def _mismatch(self, kind: str, value: object, warning: str) -> None:
-        """Count a disagreement between the policy and the engine; log it once per value."""
+        """Count a disagreement between the policy and the engine; log it once per value
+        (the first `MAX_WARNED_VALUES` values; later ones are only counted)."""
         with self._lock:
             self._stats.engine_mismatches[kind] += 1
-            first = (kind, value) not in self._warned
-            self._warned.add((kind, value))
+            first = (kind, value) not in self._warned and len(self._warned) < MAX_WARNED_VALUES
+            if first:
+                self._warned.add((kind, value))
         if first:
             log_event(log, "engine_mismatch", kind=kind, value=value, warning=warning)
 

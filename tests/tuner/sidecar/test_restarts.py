@@ -115,11 +115,11 @@ def test_a_switch_restarts_vllm_and_a_refused_size_rolls_back(caplog):
         started(actuator)
         assert actuator.block_size() == 64
         assert seen == [("cpu", None)]
-        first_pid = actuator._process.pid
+        first_pid = actuator._server.pid
         done = actuator.apply(128, 64)
         assert (done.status, done.old_block_size, done.new_block_size) == ("done", 64, 128)
         assert done.pause_s > 0.2  # the fake's start delay: a measured restart
-        assert actuator.block_size() == 128 and actuator._process.pid != first_pid
+        assert actuator.block_size() == 128 and actuator._server.pid != first_pid
         text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
         assert 'block_size="128"' in text
         # 16 is no multiple of 32 (vLLM's CPU rule): the fake exits, 128 comes back.
@@ -130,13 +130,13 @@ def test_a_switch_restarts_vllm_and_a_refused_size_rolls_back(caplog):
         assert actuator.block_size() == 128
         assert events(caplog, "vllm_block_size_refused")[0]["block_size"] == 16
         # Asked again, the size is rejected at once: no restart every interval.
-        pid = actuator._process.pid
+        pid = actuator._server.pid
         again = actuator.apply(16, 128)
         assert again.status == "rejected" and "did not start with 16 before" in again.reason
-        assert actuator._process.pid == pid
+        assert actuator._server.pid == pid
     finally:
         actuator.close()
-    assert actuator._process is None
+    assert actuator._server is None
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
 
@@ -172,9 +172,9 @@ def test_a_server_ignoring_sigterm_is_killed_and_one_that_never_came_up_is_repor
     port = free_port()
     stubborn = started(supervised(port, "--ignore-sigterm", stop_timeout_s=0.5))
     assert stubborn.down_reason is None
-    process = stubborn._process
+    process = stubborn._server
     stubborn.close()
-    assert process.poll() is not None
+    assert not process.alive()
     assert events(caplog, "vllm_stop_timeout")
     # The initial size is refused: the server is down, switches fail, nothing restarts it.
     down = started(supervised(free_port(), initial=16))
@@ -350,10 +350,10 @@ def test_a_size_the_server_refuses_rolls_back_once_and_is_then_rejected(tmp_path
         assert body["current_block_size"] == 128 and sidecar.selector.last_switch is None
         saved = json.loads((tmp_path / "s").read_text())
         assert saved["actuation"]["status"] == "rolled_back" and saved["current_block_size"] == 128
-        pid = sidecar.actuator._process.pid
+        pid = sidecar.actuator._server.pid
         again = httpx.post(f"{url}/v1/decide", timeout=60).json()
         assert again["actuation"]["status"] == "rejected"
-        assert sidecar.actuator._process.pid == pid
+        assert sidecar.actuator._server.pid == pid
         exposition = httpx.get(f"{url}/metrics").text
         assert 'blocktune_swaps_total{status="rolled_back"} 1.0' in exposition
         assert 'blocktune_swaps_total{status="rejected"} 1.0' in exposition
