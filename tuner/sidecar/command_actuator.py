@@ -40,6 +40,8 @@ KILL_GRACE_S = 5.0
 """How long a timed-out script's group has after SIGTERM before SIGKILL."""
 OUTPUT_TAIL_BYTES = 64 * 1024
 """How much of a failed script's output its reason is read from (the end)."""
+CHILD_POLL_S = 0.1
+"""How often a running script is checked for its exit (and the sidecar for its stop)."""
 
 
 class CommandActuator:
@@ -60,6 +62,7 @@ class CommandActuator:
         self.refused: dict[int, str] = {}
         self._client = httpx.Client(timeout=STATE_TIMEOUT_S)
         self._lock = threading.Lock()
+        self._closing = threading.Event()
         self._size: int | None = None
 
     @property
@@ -95,6 +98,8 @@ class CommandActuator:
             if problem is None:
                 self._size = new_block_size
                 return self._outcome("done", old, new_block_size, "", time.monotonic() - began)
+            if self._closing.is_set():  # no refusal and no rollback on the way out
+                return self._outcome("failed", old, new_block_size, problem, 0.0)
             self.refused[new_block_size] = problem
             back = self._run(old)
             elapsed = time.monotonic() - began
@@ -117,11 +122,14 @@ class CommandActuator:
                 )
             except OSError as error:
                 return f"cannot run {argv[0]}: {error.strerror or error}"
-            try:
-                code = child.wait(timeout=self.timeout_s)
-            except subprocess.TimeoutExpired:
-                stop_group(child)
-                return f"{argv[0]} did not finish within {self.timeout_s:g} s"
+            deadline = time.monotonic() + self.timeout_s
+            while (code := child.poll()) is None:
+                if self._closing.is_set():
+                    return f"the sidecar is stopping; {argv[0]} is left to finish on its own"
+                if time.monotonic() >= deadline:
+                    stop_group(child)
+                    return f"{argv[0]} did not finish within {self.timeout_s:g} s"
+                self._closing.wait(CHILD_POLL_S)
             if code != 0:
                 return reason_from(f"{argv[0]} exited with code {code}", output_tail(output))
         return None if self.url is None else self._wait_for_health()
@@ -129,10 +137,12 @@ class CommandActuator:
     def _wait_for_health(self) -> str | None:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
+            if self._closing.is_set():
+                return "the sidecar is stopping"
             with contextlib.suppress(httpx.HTTPError):
                 if self._client.get(f"{self.url}/health").status_code == 200:
                     return None
-            time.sleep(HEALTH_POLL_S)
+            self._closing.wait(HEALTH_POLL_S)
         return f"{self.url}/health did not answer 200 within {self.start_timeout_s:g} s"
 
     def _outcome(self, status: str, old: int, new: int, reason: str, pause_s: float) -> Actuation:
@@ -150,7 +160,11 @@ class CommandActuator:
         )
 
     def close(self) -> None:
-        self._client.close()
+        """End a switch in progress within a poll (a script still running is left to finish
+        on its own, with no rollback), then close the HTTP client."""
+        self._closing.set()
+        with self._lock:
+            self._client.close()
 
 
 def stop_group(child: subprocess.Popen) -> None:

@@ -4,6 +4,7 @@ still holds its output), and a timed-out script stopped with everything it start
 import os
 import signal
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -110,3 +111,28 @@ def test_a_failing_scripts_output_names_the_reason(tmp_path, stream):
     )
     assert outcome.status == "failed"
     assert "exited with code 4: ValueError: no block size 64 here" in outcome.reason
+
+
+def test_a_close_during_a_switch_ends_it_at_once_without_a_rollback(tmp_path):
+    """The sidecar's stop closes a restarting actuator first: a script still running is left
+    to finish on its own, the switch fails without refusing the size or running the old one."""
+    runs = tmp_path / "runs"
+    script = tmp_path / "slow.sh"
+    script.write_text(f'#!/bin/sh\necho "$1" >> {runs}\nsleep 5\n')
+    script.chmod(0o755)
+    actuator = CommandActuator([str(script), "{block_size}"], timeout_s=60.0)
+    results = []
+    switching = threading.Thread(target=lambda: results.append(actuator.apply(32, 16)))
+    switching.start()
+    deadline = time.monotonic() + 5
+    while not runs.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    began = time.monotonic()
+    actuator.close()
+    switching.join(5)
+    assert time.monotonic() - began < 2
+    [outcome] = results
+    assert outcome.status == "failed"
+    assert "stopping" in outcome.reason
+    assert actuator.refused == {}
+    assert runs.read_text().split() == ["32"]  # the old size was not run
