@@ -6,7 +6,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from blocktune.tuner.cli.host_args import add_allowed_hosts_argument, with_allowed_hosts
+from blocktune.tuner.cli.host_args import (
+    PortUnavailable,
+    add_allowed_hosts_argument,
+    check_port_free,
+    port_number,
+    with_allowed_hosts,
+)
 from blocktune.tuner.cli.policy_args import add_policy_argument
 
 __all__ = ["register"]
@@ -46,8 +52,9 @@ def run_serve(args: argparse.Namespace) -> int:
     token = token_from_env(policy.auth.token_env)
     try:
         check_bind(host, token)
+        check_port_free(host, port)
         sidecar = build_sidecar(policy, state_file=state_file, base_dir=policy_file.parent)
-    except (InsecureBind, ConfigError, CalibrationError, ValueError) as error:
+    except (InsecureBind, PortUnavailable, ConfigError, CalibrationError, ValueError) as error:
         print(f"blocktune serve: {error}", file=sys.stderr)
         return 2
     log = logging.getLogger("blocktune.sidecar")
@@ -62,13 +69,6 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     serve_sidecar(sidecar, host=host, port=port, token=token, server=server)
     return 0
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port must be in 1..65535, got {text}")
-    return value
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -94,7 +94,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--host", default=None, help="address to bind (default: the policy's, 127.0.0.1)"
     )
     parser.add_argument(
-        "--port", type=_port, default=None, help="port (default: the policy's, 8787)"
+        "--port", type=port_number, default=None, help="port (default: the policy's, 8787)"
     )
     parser.add_argument(
         "--state-file",

@@ -13,7 +13,12 @@ from blocktune.tuner.cli.engine_args import (
     engine_overrides,
     load_model_from_args,
 )
-from blocktune.tuner.cli.host_args import add_allowed_hosts_argument
+from blocktune.tuner.cli.host_args import (
+    PortUnavailable,
+    add_allowed_hosts_argument,
+    check_port_free,
+    port_number,
+)
 from blocktune.tuner.cli.measure_args import set_threads
 from blocktune.tuner.config.defaults import DEFAULT_TOKEN_ENV
 
@@ -71,11 +76,12 @@ def run_worker(args: argparse.Namespace) -> int:
     token = token_from_env(config.token_env)
     try:
         check_bind(args.host, token)
+        check_port_free(args.host, args.port)
         set_threads(args.threads)
         loaded = load_model_from_args(args)
         _check_pool_holds_a_block(args, config.engine, loaded.model)
         engine = Engine(loaded.model, config.engine)
-    except (InsecureBind, ModelLoadError, ValueError) as error:
+    except (InsecureBind, PortUnavailable, ModelLoadError, ValueError) as error:
         print(f"blocktune worker: {error}", file=sys.stderr)
         return 2
     if args.huge_pages and loaded.model.device.type == "cpu":
@@ -257,7 +263,9 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
     )
-    parser.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    parser.add_argument(
+        "--port", type=port_number, default=8000, help="port (default: %(default)s)"
+    )
     parser.add_argument(
         "--threads",
         type=int,
