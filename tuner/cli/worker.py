@@ -137,13 +137,25 @@ def _check_pool_holds_a_block(args: argparse.Namespace, engine_config, model) ->
 
 
 def _ready_line(args: argparse.Namespace, engine) -> str:
-    """The line that tells an operator the worker serves: where, what and its limits."""
+    """The line that tells an operator the worker serves: where, what, and the one
+    max_model_len the API states (`Engine.max_request_tokens`) with what sets it."""
     host = f"[{args.host}]" if ":" in args.host else args.host
+    asked = engine.config.max_model_len
+    if args.max_model_len is None:
+        asked_by, of_asked = "the model's positions", f"the model's {asked} positions"
+    else:
+        asked_by, of_asked = "--max-model-len", f"--max-model-len {asked}"
+    pool = engine.kv.num_slots
+    if engine.max_request_tokens < asked:
+        limit = (
+            f"max_model_len {engine.max_request_tokens}: {of_asked}, but the KV pool holds "
+            f"{pool} tokens"
+        )
+    else:
+        limit = f"max_model_len {asked} ({asked_by}), a KV pool of {pool} tokens"
     return (
         f"blocktune worker ready: http://{host}:{args.port} (model "
-        f"{args.served_model_name or args.model}, block size {engine.block_size}, at most "
-        f"{engine.max_request_tokens} tokens a request: max_model_len "
-        f"{engine.config.max_model_len}, a KV pool of {engine.kv.num_slots} tokens)"
+        f"{args.served_model_name or args.model}, block size {engine.block_size}, {limit})"
     )
 
 
