@@ -100,9 +100,19 @@ async def state(request: Request) -> dict:
     return request.app.state.loop.state()
 
 
-# Tools probe /metrics and /health with HEAD.
-@router.get("/metrics", response_class=PlainTextResponse)
-@router.head("/metrics", include_in_schema=False)
+# Tools probe /metrics and /health with HEAD: both methods are served and documented.
+_METRICS = {"response_class": PlainTextResponse}
+_HEALTH = {
+    "response_class": Response,
+    "responses": {
+        200: {"description": "the engine serves (no body)", "content": {}},
+        **refusals(OPENAI_ERROR_SCHEMA, {503: "the engine is not running"}),
+    },
+}
+
+
+@router.get("/metrics", **_METRICS)
+@router.head("/metrics", **_METRICS)
 async def metrics_endpoint(request: Request) -> Response:
     return Response(request.app.state.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
@@ -112,15 +122,8 @@ async def healthz() -> dict:
     return {"status": "ok"}
 
 
-@router.get(
-    "/health",
-    response_class=Response,
-    responses={
-        200: {"description": "the engine serves (no body)", "content": {}},
-        **refusals(OPENAI_ERROR_SCHEMA, {503: "the engine is not running"}),
-    },
-)
-@router.head("/health", include_in_schema=False)
+@router.get("/health", **_HEALTH)
+@router.head("/health", **_HEALTH)
 async def health(request: Request) -> Response:
     """As vLLM answers it: 200 and no body while the engine serves, else 503."""
     if request.app.state.loop.running:

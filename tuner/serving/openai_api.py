@@ -101,7 +101,7 @@ class ServedModel:
 
     def chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self._need_tokenizer("a chat", "messages")
-        messages = [{"role": m.template_role, "content": m.text()} for m in body.messages]
+        messages = [m.for_template() for m in body.messages]
         try:
             return tokenizer.apply_chat_template(messages)
         except ValueError as error:
@@ -170,7 +170,8 @@ def _refuse_unserved(body: CompletionRequest | ChatCompletionRequest) -> None:
 
 
 def _refuse_tools(body: ChatCompletionRequest) -> None:
-    """400 for tool calling, which this server does not do."""
+    """400 for tool calling, which this server does not do (a `tool` message, the answer of
+    a call made elsewhere, is rendered like any other)."""
     if body.tools:
         raise OpenAIError(
             400, "tools (function calling) are not supported by this server", param="tools"
@@ -181,14 +182,6 @@ def _refuse_tools(body: ChatCompletionRequest) -> None:
             f"tool_choice {body.tool_choice!r} needs tools, which this server does not support",
             param="tool_choice",
         )
-    for index, message in enumerate(body.messages):
-        if message.role == "tool":
-            raise OpenAIError(
-                400,
-                "a tool message answers a tool call, and this server makes none "
-                "(tools are not supported)",
-                param=f"messages.{index}.role",
-            )
 
 
 @dataclass

@@ -11,7 +11,10 @@ vLLM's meaning, and `prompt_ids` is blocktune's. Fields that only steer
 OpenAI's platform (`user`, `store`, `metadata`, `parallel_tool_calls`,
 `service_tier`) are accepted and ignored. What is accepted but not served
 (`tools`, a `response_format` other than text, `best_of` above `n`) is refused
-with a 400 that says so when the request is prepared (`openai_api`).
+with a 400 that says so when the request is prepared (`openai_api`). The JSON
+schema says what the validators refuse too, with null as the default: exactly
+one of `prompt` and `prompt_ids` that is not null, at most one of `max_tokens`
+and `max_completion_tokens`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ TokenId = Annotated[int, Field(ge=0)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 StopText = Annotated[str, Field(min_length=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+
+
+def _given(*names: str) -> dict:
+    """The JSON schema of "each of `names` is there and not null" (null is the default)."""
+    return {
+        "required": list(names),
+        "properties": {name: {"not": {"type": "null"}} for name in names},
+    }
 
 
 class _Strict(BaseModel):
@@ -137,15 +148,13 @@ class CompletionRequest(_Sampling):
     choice."""
 
     # What the validator below refuses, said in the schema too.
-    model_config = ConfigDict(
-        json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["prompt_ids"]}]}
-    )
+    model_config = ConfigDict(json_schema_extra={"oneOf": [_given("prompt"), _given("prompt_ids")]})
 
     prompt: (
         str
-        | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
         | TokenIds
-        | Annotated[list[TokenIds], Field(max_length=MAX_PROMPTS)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
         | None
     ) = None
     prompt_ids: TokenIds | None = None
@@ -157,8 +166,6 @@ class CompletionRequest(_Sampling):
     def _one_prompt(self) -> CompletionRequest:
         if (self.prompt_ids is None) == (self.prompt is None):
             raise ValueError("give exactly one of prompt and prompt_ids")
-        if self.prompt == []:
-            raise ValueError("prompt is an empty list")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -179,8 +186,9 @@ class TextPart(_Strict):
 
 class ChatMessage(_Strict):
     """One message of a conversation. `developer` is OpenAI's newer name for `system`; a
-    `name` is accepted and not shown to the model; `tool` messages answer tool calls, which
-    this server does not make (refused when the request is prepared)."""
+    `name` is accepted and not shown to the model; a `tool` message (a tool's answer, with
+    the `tool_call_id` it answers) goes to the chat template like any other, which renders
+    it or refuses it (a 400 naming the template's reason)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart]
@@ -197,6 +205,13 @@ class ChatMessage(_Strict):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, str]:
+        """The message as the chat template reads it: role, text and any `tool_call_id`."""
+        message = {"role": self.template_role, "content": self.text()}
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
 
 _ROOM_LEFT = (
     "default: the room left in the context, max_model_len less the prompt (as vLLM does); "
@@ -210,7 +225,7 @@ class ChatCompletionRequest(_Sampling):
 
     # What the validator below refuses, said in the schema too.
     model_config = ConfigDict(
-        json_schema_extra={"not": {"required": ["max_tokens", "max_completion_tokens"]}}
+        json_schema_extra={"not": _given("max_tokens", "max_completion_tokens")}
     )
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from blocktune.runtime.engine_loop import EngineStepFailed
 from blocktune.runtime.requests import RequestError, RequestFailed
@@ -19,6 +20,7 @@ from blocktune.tuner.serving.openai_api import OpenAIError
 
 __all__ = ["ENGINE_FAILURES", "add_error_handlers", "json_response", "refusal", "refusal_body"]
 
+HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 # What can end an engine job: a refusal at admission, a failure of the request's own, a step's.
 ENGINE_FAILURES = (RequestError, RequestFailed, EngineStepFailed)
 
@@ -61,10 +63,24 @@ async def _openai_error(_: Request, error: OpenAIError) -> Response:
     return json_response(error.body, error.status)
 
 
-async def _http_error(_: Request, error: StarletteHTTPException) -> Response:
+async def _http_error(request: Request, error: StarletteHTTPException) -> Response:
     kind = "server_error" if error.status_code >= 500 else "invalid_request_error"
     body = OpenAIError(error.status_code, str(error.detail), type=kind).body
-    return json_response(body, error.status_code, error.headers)
+    headers = error.headers
+    if error.status_code == 405:
+        headers = {**(headers or {}), "Allow": _allowed_methods(request)}
+    return json_response(body, error.status_code, headers)
+
+
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at the request's path (Starlette's 405 names only
+    the first route's, and /health has one route per method)."""
+    routes = request.app.router.routes
+    return ", ".join(
+        method
+        for method in HTTP_METHODS
+        if any(r.matches({**request.scope, "method": method})[0] is Match.FULL for r in routes)
+    )
 
 
 def add_error_handlers(app: FastAPI) -> None:

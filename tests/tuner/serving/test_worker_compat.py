@@ -154,11 +154,6 @@ def test_continuous_usage_stats_puts_the_counts_on_every_chunk(client):
         ),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"response_format": {"type": "json_object"}}, "response_format", '{"type": "text"}'),
-        (
-            {"messages": [*USER, {"role": "tool", "content": "{}", "tool_call_id": "c1"}]},
-            "messages.1.role",
-            "tools are not supported",
-        ),
     ],
 )
 def test_what_is_not_served_is_a_400_that_says_so(client, call, param, says):
