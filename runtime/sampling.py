@@ -119,7 +119,12 @@ def next_token_distribution(
 ) -> torch.Tensor:
     """The float64 probabilities `[vocab]` the next token is drawn from (see the module
     docstring); one-hot on the argmax when greedy, or when no token is left."""
-    raw = logits.detach().double().cpu().nan_to_num(nan=-torch.inf)
+    raw = (
+        logits.detach()
+        .double()
+        .cpu()
+        .nan_to_num(nan=-torch.inf, posinf=torch.inf, neginf=-torch.inf)
+    )
     logits = raw.clone()
     vocab = logits.shape[-1]
     if params.logit_bias:

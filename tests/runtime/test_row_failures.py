@@ -53,6 +53,13 @@ def test_a_penalty_that_overflows_every_logit_falls_back_to_the_raw_argmax():
     assert probs.tolist() == [0.0, 0.0, 1.0] + [0.0] * (VOCAB - 3)
 
 
+def test_a_nan_logit_counts_as_minus_infinity():
+    logits = torch.tensor([float("nan"), -torch.inf, 1.0] + [0.0] * (VOCAB - 3))
+    params = SamplingParams(temperature=1.0)
+    probs = next_token_distribution(logits, params, prompt=[4], output=[], eos_token_ids=())
+    assert probs[0] == 0 and probs[1] == 0 and probs.sum() == pytest.approx(1.0)
+
+
 def test_a_row_with_no_token_left_does_not_fail_its_step(model):
     """The issue's reproducer: all of the vocabulary as stop tokens with min_tokens, sampled,
     beside greedy requests in the same steps."""
