@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from blocktune.tuner.config.policy import MAX_BLOCK_SIZE
 from blocktune.tuner.operations import log_event
+from blocktune.tuner.sidecar.atomic_write import write_atomically
 
 __all__ = ["ChildRecord", "RecordedServer", "Refusal", "record_path"]
 
@@ -136,17 +135,6 @@ class ChildRecord:
             return
         data = self._record.model_dump_json().encode("utf-8")
         try:
-            handle, temporary = tempfile.mkstemp(
-                prefix=f".{self.path.name}.", suffix=TEMPORARY_SUFFIX, dir=self.path.parent
-            )
-            try:
-                with os.fdopen(handle, "wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(temporary, self.path)
-            except BaseException:
-                Path(temporary).unlink(missing_ok=True)
-                raise
+            write_atomically(self.path, data, suffix=TEMPORARY_SUFFIX)
         except OSError as error:
             log_event(log, "vllm_record_save_failed", file=str(self.path), error=str(error))

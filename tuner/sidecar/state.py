@@ -26,7 +26,6 @@ import errno
 import logging
 import os
 import stat
-import tempfile
 import threading
 import time
 from datetime import datetime, timezone
@@ -47,6 +46,7 @@ from blocktune.tuner.config.config_files import format_location
 from blocktune.tuner.config.jsonable import from_json
 from blocktune.tuner.config.policy import MAX_DURATION, BlockSize, Policy
 from blocktune.tuner.operations import log_event
+from blocktune.tuner.sidecar.atomic_write import write_atomically
 
 __all__ = [
     "MAX_CLOCK_SKEW_S",
@@ -67,6 +67,8 @@ MAX_CLOCK_SKEW_S = 60.0
 """How far a saved time may be ahead of this clock (another host's, a corrected clock);
 later is a state the sidecar cannot use: a switch in the future would freeze switching."""
 log = logging.getLogger("blocktune.sidecar")
+TEMPORARY_SUFFIX = ".tmp"
+"""The ending of a save's temporary file (one a crash left behind is removed at load)."""
 
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
@@ -194,18 +196,7 @@ class StateFile:
             )
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            handle, temporary = tempfile.mkstemp(
-                prefix=self._temporary_prefix, suffix=".tmp", dir=self.path.parent
-            )
-            try:
-                with os.fdopen(handle, "wb") as out:
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                os.replace(temporary, self.path)
-            except BaseException:
-                Path(temporary).unlink(missing_ok=True)
-                raise
+            write_atomically(self.path, data, suffix=TEMPORARY_SUFFIX)
 
     @property
     def _temporary_prefix(self) -> str:
@@ -252,7 +243,7 @@ class StateFile:
 
     def _remove_temporaries(self) -> None:
         """Remove the temporaries of saves that a crash interrupted (one sidecar per file)."""
-        for temporary in self.path.parent.glob(f"{self._temporary_prefix}*.tmp"):
+        for temporary in self.path.parent.glob(f"{self._temporary_prefix}*{TEMPORARY_SUFFIX}"):
             with contextlib.suppress(OSError):  # a folder we cannot write: the saves fail too
                 temporary.unlink()
 
